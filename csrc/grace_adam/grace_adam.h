@@ -1,0 +1,168 @@
+// GraceAdam: the torch-free core of the host Adam.
+//
+// Raw pointers, sizes and every hyperparameter on every call; no state, no allocation, no
+// threads (the binding owns the thread pool and hands each worker a slice). Every ISA path
+// computes the same function with the same operations in the same order, so all paths agree
+// bitwise with the scalar one (sqrt and division are correctly rounded everywhere; fused
+// multiply-adds are written explicitly, and the build uses -ffp-contract=off so the compiler
+// adds none of its own). The math is documented in superoffload_hf/reference.py.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace grace_adam {
+
+enum class GradDtype : int { F32 = 0, BF16 = 1 };
+enum class LowpDtype : int { NONE = 0, BF16 = 1, F16 = 2 };
+enum class Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2, NEON = 3, SVE = 4 };
+
+// Scalars derived once per call (in double, then rounded to float).
+struct Coeffs {
+  float beta1, beta2;
+  float one_minus_beta1, one_minus_beta2;
+  float step_size;     // lr / bc1
+  float inv_sqrt_bc2;  // 1 / sqrt(bc2)
+  float eps;
+  float decay;         // AdamW: 1 - lr*wd (applied to p before the update); Adam: 1
+  float l2;            // Adam: wd (g += wd*p); AdamW: 0
+  float grad_scale;
+};
+
+inline Coeffs make_coeffs(int64_t step, double lr, double beta1, double beta2, double eps,
+                          double weight_decay, bool adamw, bool bias_correction,
+                          double grad_scale) {
+  double bc1 = 1.0, bc2 = 1.0;
+  if (bias_correction) {
+    bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+    bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  }
+  Coeffs c;
+  c.beta1 = static_cast<float>(beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.step_size = static_cast<float>(lr / bc1);
+  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.eps = static_cast<float>(eps);
+  c.decay = adamw ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  c.l2 = adamw ? 0.0f : static_cast<float>(weight_decay);
+  c.grad_scale = static_cast<float>(grad_scale);
+  return c;
+}
+
+// ---- conversions (bit-exact, round to nearest even) -----------------------------------------
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16_rne(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;  // NaN: the canonical quiet NaN, as torch
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// IEEE binary16, round to nearest even, overflow to inf, gradual underflow (as torch's .half()).
+inline uint16_t f32_to_f16_rne(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN: quiet NaN, sign kept, as torch
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65536: inf
+  if (ax < 0x38800000u) {  // below the smallest normal half (2^-14): subnormal or zero
+    if (ax < 0x33000000u) return static_cast<uint16_t>(sign);  // < 2^-25: rounds to zero (2^-25 ties to 0)
+    const uint32_t e = ax >> 23;                                   // 102..112
+    const uint32_t mant = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - e;                               // 14..24
+    uint32_t h = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u))) ++h;
+    return static_cast<uint16_t>(sign | h);
+  }
+  uint32_t h = ((ax >> 13) - (112u << 10));  // rebias exponent 127 -> 15
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // may carry into the exponent: correct
+  return static_cast<uint16_t>(sign | h);
+}
+
+inline float load_grad(const void* g, GradDtype gd, int64_t i) {
+  return gd == GradDtype::F32 ? static_cast<const float*>(g)[i]
+                              : bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
+}
+
+inline void store_lowp(void* out, LowpDtype ld, int64_t i, float p) {
+  if (ld == LowpDtype::BF16) static_cast<uint16_t*>(out)[i] = f32_to_bf16_rne(p);
+  else if (ld == LowpDtype::F16) static_cast<uint16_t*>(out)[i] = f32_to_f16_rne(p);
+}
+
+// ---- the per-element specification (vector paths do exactly this, lane by lane) -------------
+
+inline void step_one(float& p, float& m, float& v, float g_raw, const Coeffs& c) {
+  float g = g_raw * c.grad_scale;
+  if (c.l2 != 0.0f) g = std::fma(c.l2, p, g);
+  m = std::fma(c.beta1, m, c.one_minus_beta1 * g);
+  v = std::fma(c.beta2, v, (c.one_minus_beta2 * g) * g);
+  const float denom = std::fma(std::sqrt(v), c.inv_sqrt_bc2, c.eps);
+  const float upd = m / denom;
+  p = std::fma(-c.step_size, upd, p * c.decay);
+}
+
+inline void rollback_one(float& p, float& m, float& v, float g_raw, const Coeffs& c) {
+  const float denom = std::fma(std::sqrt(v), c.inv_sqrt_bc2, c.eps);
+  const float upd = m / denom;
+  p = std::fma(c.step_size, upd, p);
+  p = p / c.decay;
+  float g = g_raw * c.grad_scale;
+  if (c.l2 != 0.0f) g = std::fma(c.l2, p, g);
+  m = std::fma(-c.one_minus_beta1, g, m) / c.beta1;
+  const float vr = (v - (c.one_minus_beta2 * g) * g) / c.beta2;
+  v = vr > 0.0f ? vr : 0.0f;  // a negative rounding residue (or a NaN) becomes 0, as max(vr, 0) in SIMD
+}
+
+// ---- entry points per ISA: each processes elements [0, n) -----------------------------------
+// p, m, v: fp32 state, updated in place. g: fp32 or bf16 gradient (read only).
+// lowp: nullptr, or n bf16/fp16 outputs (the updated p, rounded to nearest even).
+
+#define GRACE_ADAM_DECLARE_ISA(suffix)                                                            \
+  void step_##suffix(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,       \
+                     LowpDtype ld, int64_t n, const Coeffs& c);                                   \
+  void rollback_##suffix(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,   \
+                         LowpDtype ld, int64_t n, const Coeffs& c);                               \
+  double sum_squares_##suffix(const void* g, GradDtype gd, int64_t n);
+
+GRACE_ADAM_DECLARE_ISA(scalar)
+#if defined(__x86_64__) || defined(_M_X64)
+GRACE_ADAM_DECLARE_ISA(avx2)
+GRACE_ADAM_DECLARE_ISA(avx512)
+#endif
+#if defined(__aarch64__)
+GRACE_ADAM_DECLARE_ISA(neon)
+GRACE_ADAM_DECLARE_ISA(sve)
+#endif
+#undef GRACE_ADAM_DECLARE_ISA
+
+// Dispatch (dispatch.cpp): what this CPU supports, and the entry points by ISA.
+bool isa_supported(Isa isa);
+Isa best_isa();
+const char* isa_name(Isa isa);
+void step(Isa isa, float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
+          LowpDtype ld, int64_t n, const Coeffs& c);
+void rollback(Isa isa, float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
+              LowpDtype ld, int64_t n, const Coeffs& c);
+double sum_squares(Isa isa, const void* g, GradDtype gd, int64_t n);
+
+// sum_squares is computed in fixed blocks of this many elements, each summed in float64 and
+// the block sums added in order, so the result does not depend on how blocks are spread over
+// threads. Vector paths keep this block size; a caller that splits work splits at multiples of it.
+constexpr int64_t kSumSquaresBlock = 1 << 14;
+
+}  // namespace grace_adam

@@ -1,0 +1,228 @@
+"""SuperOffloadConfig: the one home of every default.
+
+Each field is documented once, here. The config is frozen and validated on construction;
+errors name the field, the value, what was expected and how to fix it. It loads from a dict,
+a YAML file or a JSON file; unknown keys are an error (a typo must not silently keep a default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+AUTO = "auto"
+
+SPECULATION_CHOICES = ("auto", "on", "off")
+ROLLBACK_CHOICES = ("inverse", "snapshot")
+CAST_CHOICES = ("auto", "device", "host")
+DEVICE_DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+HOST_KERNEL_CHOICES = ("auto", "cpp", "reference")
+
+
+class ConfigError(ValueError):
+    """A SuperOffloadConfig field has a value it cannot take."""
+
+
+@dataclass(frozen=True)
+class SuperOffloadConfig:
+    bucket_size_mb: Union[float, str] = AUTO
+    """Size of one bucket, in MB of fp32 master weights (1 MB = 2**20 bytes, so 262144
+    parameters). A bucket is the unit that moves to the host and is stepped there as soon as
+    backward has produced all of its gradients. "auto": 32 MB, shrunk so that a model has at
+    least 4 buckets when it is small."""
+
+    device_buckets: Union[int, str] = AUTO
+    """How many of the last buckets to receive gradients (the first layers) keep their fp32
+    master and Adam state on the device and are stepped there, so the device does not idle at
+    the end of backward. "auto": chosen from the measured host step time and link bandwidth
+    (0 when the device is the CPU)."""
+
+    speculation: str = AUTO
+    """"on": step each bucket on the host as soon as its gradients arrive, validate at
+    `step()` (global norm, finiteness) and roll back / replay when validation fails. "off":
+    step only after validation. "auto": speculate, but stop while recent steps roll back often
+    (early training) and resume once they stop."""
+
+    rollback: str = "inverse"
+    """How a speculative step is undone. "inverse": invert the Adam update algebraically (a few
+    ulp, see `superoffload_hf.reference.adam_rollback_`). "snapshot": keep a copy of the state
+    before each speculative step and restore it bit-exactly (costs one extra copy of the host
+    state in memory traffic and 12 bytes per parameter of host memory)."""
+
+    cast: str = AUTO
+    """Where precision casts happen. "device": move fp32 over the link and cast on the device
+    (best on fast links such as NVLink-C2C). "host": cast on the host (the kernel writes the
+    low-precision copy in the same pass) and move half the bytes (best on PCIe). "auto":
+    measured from the link bandwidth."""
+
+    device_dtype: str = "bf16"
+    """Precision of the parameters the device computes with: "bf16", "fp16" (with dynamic loss
+    scaling owned by the optimizer) or "fp32" (lets tests compare against a plain fp32
+    reference exactly)."""
+
+    host_threads: Union[int, str] = AUTO
+    """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on
+    (sched_getaffinity), whatever OMP_NUM_THREADS says (accelerate launch sets it to 1)."""
+
+    pin_memory: Union[bool, str] = AUTO
+    """Page-lock the host buffers so copies are asynchronous. "auto": when the device is CUDA."""
+
+    host_kernel: str = AUTO
+    """Which host Adam implementation to use. "cpp": the JIT-built GraceAdam kernel (error if it
+    cannot be built). "reference": the plain PyTorch reference. "auto": the kernel, falling back
+    to the reference with a warning when it cannot be built."""
+
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step in a plain training loop: the engine steps a bucket once
+    it has received its gradients this many times. Under Accelerate and the HF Trainer the
+    integration reads the accumulation boundary from Accelerate's gradient state instead."""
+
+    speculation_window: int = 20
+    """Number of recent steps the "auto" speculation policy looks at."""
+
+    speculation_max_rollback_rate: float = 0.25
+    """With speculation "auto": stop speculating while more than this fraction of the last
+    `speculation_window` steps rolled back; resume when the rate falls below it."""
+
+    loss_scale_init: float = 2.0**16
+    """fp16 only: initial dynamic loss scale."""
+
+    loss_scale_growth_factor: float = 2.0
+    """fp16 only: factor applied to the loss scale after `loss_scale_growth_interval` good steps."""
+
+    loss_scale_backoff_factor: float = 0.5
+    """fp16 only: factor applied to the loss scale after a step with non-finite gradients."""
+
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: consecutive finite steps before the loss scale grows."""
+
+    def __post_init__(self) -> None:
+        _check_auto_or_positive("bucket_size_mb", self.bucket_size_mb, float)
+        _check_auto_or_int("device_buckets", self.device_buckets, minimum=0)
+        _check_choice("speculation", self.speculation, SPECULATION_CHOICES)
+        _check_choice("rollback", self.rollback, ROLLBACK_CHOICES)
+        _check_choice("cast", self.cast, CAST_CHOICES)
+        _check_choice("device_dtype", self.device_dtype, DEVICE_DTYPE_CHOICES)
+        _check_auto_or_int("host_threads", self.host_threads, minimum=1)
+        if not (self.pin_memory == AUTO or isinstance(self.pin_memory, bool)):
+            raise ConfigError(
+                f"`pin_memory` is {self.pin_memory!r}; expected true, false or \"auto\"."
+            )
+        _check_choice("host_kernel", self.host_kernel, HOST_KERNEL_CHOICES)
+        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
+        _check_int("speculation_window", self.speculation_window, minimum=1)
+        _check_number("speculation_max_rollback_rate", self.speculation_max_rollback_rate, 0.0, 1.0)
+        _check_number("loss_scale_init", self.loss_scale_init, 0.0, float("inf"), open_low=True)
+        _check_number("loss_scale_growth_factor", self.loss_scale_growth_factor, 1.0, float("inf"), open_low=True)
+        _check_number("loss_scale_backoff_factor", self.loss_scale_backoff_factor, 0.0, 1.0, open_low=True, open_high=True)
+        _check_int("loss_scale_growth_interval", self.loss_scale_growth_interval, minimum=1)
+
+    # ---- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> "SuperOffloadConfig":
+        values = dict(values or {})
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(
+                f"Unknown SuperOffloadConfig key(s) {unknown}; valid keys are "
+                f"{sorted(cls.field_names())}. Check the spelling in your superoffload config."
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: Union[str, Path]) -> "SuperOffloadConfig":
+        """Load from a .yaml/.yml or .json file holding the fields at its top level."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"SuperOffload config file {str(path)!r} does not exist.")
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(
+                f"SuperOffload config file {str(path)!r} has suffix {path.suffix!r}; "
+                "expected .yaml, .yml or .json."
+            )
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(
+                f"SuperOffload config file {str(path)!r} must hold a mapping of fields, "
+                f"got {type(data).__name__}."
+            )
+        return cls.from_dict(data)
+
+    @classmethod
+    def coerce(cls, value: Union["SuperOffloadConfig", Mapping[str, Any], str, Path, None]) -> "SuperOffloadConfig":
+        """Accept a config, a dict of fields, a path to a YAML/JSON file, or None (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        if isinstance(value, (str, Path)):
+            return cls.from_file(value)
+        raise ConfigError(
+            f"Cannot make a SuperOffloadConfig from {type(value).__name__}; pass a "
+            "SuperOffloadConfig, a dict of its fields, or a path to a YAML/JSON file."
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "SuperOffloadConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ---- validation helpers ----------------------------------------------------------------------
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"`{name}` is {value!r}; valid choices are {list(choices)}.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise ConfigError(f"`{name}` is {value!r}; expected an integer >= {minimum}.")
+
+
+def _check_auto_or_int(name: str, value: Any, minimum: int) -> None:
+    if value == AUTO:
+        return
+    if not _is_int(value) or value < minimum:
+        raise ConfigError(f"`{name}` is {value!r}; expected \"auto\" or an integer >= {minimum}.")
+
+
+def _check_auto_or_positive(name: str, value: Any, kind: type) -> None:
+    if value == AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"`{name}` is {value!r}; expected \"auto\" or a number > 0.")
+
+
+def _check_number(
+    name: str, value: Any, low: float, high: float, open_low: bool = False, open_high: bool = False
+) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        ok = (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
+    if not ok:
+        lo = "(" if open_low else "["
+        hi = ")" if open_high else "]"
+        raise ConfigError(f"`{name}` is {value!r}; expected a number in {lo}{low}, {high}{hi}.")

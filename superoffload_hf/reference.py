@@ -1,0 +1,214 @@
+r"""The host Adam operations in plain PyTorch: the specification, and the fallback.
+
+All buffers are flat, contiguous, 1-D CPU tensors of one length ``n``. The state (``param``,
+``exp_avg``, ``exp_avg_sq``) is floating point (fp32 in production; float64 tensors give the
+exact-math reference the tests measure against). ``grad`` is fp32, bf16 or float64 and is never
+modified.
+
+Adam step ``t`` (1-based), with ``g = grad * grad_scale``::
+
+    if not adamw:  g = g + weight_decay * p                      (L2, torch.optim.Adam)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    bc1 = 1 - beta1**t,  bc2 = 1 - beta2**t        (both 1 when bias_correction is False)
+    step_size = lr / bc1
+    denom = sqrt(v) / sqrt(bc2) + eps
+    if adamw:      p = p * (1 - lr * weight_decay)               (decoupled, torch.optim.AdamW)
+    p = p - step_size * m / denom
+    param_lowp = round_to_nearest_even(p)          (when a bf16/fp16 output buffer is given)
+
+Rollback inverts it from the post-step state and the same gradient and arguments::
+
+    p = p + step_size * m / denom                  (denom from the post-step v: what the step used)
+    if adamw:      p = p / (1 - lr * weight_decay)
+    if not adamw:  g = g + weight_decay * p        (p is now the pre-step parameter)
+    m = (m - (1 - beta1) * g) / beta1
+    v = max((v - (1 - beta2) * g * g) / beta2, 0)
+
+Error bound of rollback in fp32 (each element, after one step and its rollback), with
+``u = 2**-23 * 2**floor(log2(x))`` the ulp of a magnitude ``x``:
+
+* exp_avg:    |m_restored - m| <= 4 ulp(beta1*|m| + (1-beta1)*|g|) / beta1
+* exp_avg_sq: |v_restored - v| <= 4 ulp(beta2*|v| + (1-beta2)*g*g) / beta2
+* param:      |p_restored - p| <= 4 ulp(|p| + |step_size * m/denom|) / (1 - lr*wd)
+
+The magnitudes are those the update combines, not the result, which cancellation can make
+arbitrarily small. `rollback_error_bound_ulps` names the constant the tests use.
+
+The fp32 kernel performs the same operations in the same order with these roundings:
+``m = fma(beta1, m, (1-beta1)*g)``, ``v = fma(beta2, v, ((1-beta2)*g)*g)``,
+``denom = fma(sqrt(v), 1/sqrt(bc2), eps)``, ``p = fma(-step_size, m/denom, p*decay)``.
+This reference writes them as separate torch ops, so it agrees with the kernel to an ulp or
+two, not bitwise; the kernel's own ISA paths agree with each other bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+LOWP_DTYPES = (torch.bfloat16, torch.float16)
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+rollback_error_bound_ulps = 4
+
+
+@dataclass(frozen=True)
+class AdamCoefficients:
+    """Per-call scalars derived once from the hyperparameters (in float64)."""
+
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    step_size: float
+    inv_sqrt_bc2: float
+    eps: float
+    decay: float  # multiplier of p before the update: 1 - lr*wd for AdamW, else 1
+    l2: float  # added to g as l2*p: wd for Adam, else 0
+    grad_scale: float
+
+
+def adam_coefficients(
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+) -> AdamCoefficients:
+    if not (isinstance(step, int) and step >= 1):
+        raise ValueError(f"`step` is {step!r}; expected the 1-based count of the step being taken (>= 1).")
+    if bias_correction:
+        bc1 = 1.0 - beta1**step
+        bc2 = 1.0 - beta2**step
+    else:
+        bc1 = bc2 = 1.0
+    return AdamCoefficients(
+        beta1=beta1,
+        beta2=beta2,
+        one_minus_beta1=1.0 - beta1,
+        one_minus_beta2=1.0 - beta2,
+        step_size=lr / bc1,
+        inv_sqrt_bc2=1.0 / math.sqrt(bc2),
+        eps=eps,
+        decay=(1.0 - lr * weight_decay) if adamw else 1.0,
+        l2=0.0 if adamw else weight_decay,
+        grad_scale=grad_scale,
+    )
+
+
+def _check(param, exp_avg, exp_avg_sq, grad, param_lowp) -> None:
+    n = param.numel()
+    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.device.type != "cpu" or not t.is_floating_point() or t.dtype in LOWP_DTYPES:
+            raise TypeError(f"`{name}` must be an fp32 or float64 CPU tensor, got {t.dtype} on {t.device}.")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"`{name}` must be a flat contiguous 1-D tensor, got shape {tuple(t.shape)}, strides {t.stride()}.")
+        if t.numel() != n:
+            raise ValueError(f"`{name}` has {t.numel()} elements, `param` has {n}; all buffers must have the same length.")
+    if grad.device.type != "cpu" or grad.dtype not in GRAD_DTYPES:
+        raise TypeError(f"`grad` must be an fp32 or bf16 CPU tensor, got {grad.dtype} on {grad.device}.")
+    if grad.dim() != 1 or not grad.is_contiguous() or grad.numel() != n:
+        raise ValueError(f"`grad` must be a flat contiguous 1-D tensor of {n} elements, got shape {tuple(grad.shape)}.")
+    if param_lowp is not None:
+        if param_lowp.device.type != "cpu" or param_lowp.dtype not in LOWP_DTYPES:
+            raise TypeError(f"`param_lowp` must be a bf16 or fp16 CPU tensor, got {param_lowp.dtype} on {param_lowp.device}.")
+        if param_lowp.dim() != 1 or not param_lowp.is_contiguous() or param_lowp.numel() != n:
+            raise ValueError(f"`param_lowp` must be a flat contiguous 1-D tensor of {n} elements, got shape {tuple(param_lowp.shape)}.")
+
+
+def _scaled_grad(grad: torch.Tensor, dtype: torch.dtype, grad_scale: float) -> torch.Tensor:
+    g = grad.to(dtype)  # always a new tensor unless dtypes match
+    if g.data_ptr() == grad.data_ptr():
+        g = g.clone()
+    if grad_scale != 1.0:
+        g.mul_(grad_scale)
+    return g
+
+
+def adam_step_(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    param_lowp: Optional[torch.Tensor] = None,
+) -> None:
+    """One Adam/AdamW step in place (see the module docstring for the math)."""
+    _check(param, exp_avg, exp_avg_sq, grad, param_lowp)
+    c = adam_coefficients(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                          adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale)
+    g = _scaled_grad(grad, param.dtype, c.grad_scale)
+    if c.l2 != 0.0:
+        g.add_(param, alpha=c.l2)
+    exp_avg.mul_(c.beta1).add_(g, alpha=c.one_minus_beta1)
+    exp_avg_sq.mul_(c.beta2).addcmul_(g, g, value=c.one_minus_beta2)
+    denom = exp_avg_sq.sqrt().mul_(c.inv_sqrt_bc2).add_(c.eps)
+    if c.decay != 1.0:
+        param.mul_(c.decay)
+    param.addcdiv_(exp_avg, denom, value=-c.step_size)
+    if param_lowp is not None:
+        param_lowp.copy_(param)
+
+
+def adam_rollback_(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    param_lowp: Optional[torch.Tensor] = None,
+) -> None:
+    """Undo `adam_step_` taken with the same gradient and arguments (bound: module docstring)."""
+    _check(param, exp_avg, exp_avg_sq, grad, param_lowp)
+    c = adam_coefficients(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                          adamw=adamw, bias_correction=bias_correction, grad_scale=grad_scale)
+    denom = exp_avg_sq.sqrt().mul_(c.inv_sqrt_bc2).add_(c.eps)
+    param.addcdiv_(exp_avg, denom, value=c.step_size)
+    if c.decay != 1.0:
+        param.div_(c.decay)
+    g = _scaled_grad(grad, param.dtype, c.grad_scale)
+    if c.l2 != 0.0:
+        g.add_(param, alpha=c.l2)
+    exp_avg.sub_(g, alpha=c.one_minus_beta1).div_(c.beta1)
+    exp_avg_sq.sub_(g * g, alpha=c.one_minus_beta2).div_(c.beta2).clamp_(min=0.0)
+    if param_lowp is not None:
+        param_lowp.copy_(param)
+
+
+def sum_squares(grad: torch.Tensor) -> float:
+    """Sum of squares of a flat gradient, accumulated in float64.
+
+    Returns inf or NaN when any element is non-finite (validation relies on it)."""
+    if grad.device.type != "cpu" or grad.dtype not in GRAD_DTYPES:
+        raise TypeError(f"`grad` must be an fp32 or bf16 CPU tensor, got {grad.dtype} on {grad.device}.")
+    if grad.dim() != 1 or not grad.is_contiguous():
+        raise ValueError(f"`grad` must be a flat contiguous 1-D tensor, got shape {tuple(grad.shape)}.")
+    g = grad.to(torch.float64)
+    return float(torch.dot(g, g))
