@@ -1,39 +1,334 @@
-"""Host Adam back ends: the JIT-built GraceAdam kernel, or the PyTorch reference.
+"""Host Adam back ends: the JIT-built GraceAdam kernel (C++), or the PyTorch reference.
 
-PLACEHOLDER INTERFACE (being replaced by the kernel work): only the reference back end exists
-here so far. The public surface below is the contract the engine codes against.
+``get_host_adam(mode, threads, isa)`` returns an object with one signature whichever back end
+serves it (``name``, ``isa``, ``threads``, ``adam_step_``, ``adam_rollback_``, ``sum_squares``,
+``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.reference`.
+
+The kernel (csrc/grace_adam/) is built once with ``torch.utils.cpp_extension.load`` + ninja into
+a cache directory keyed by the sources, flags, torch, Python and platform
+(``~/.cache/superoffload_hf/``, or ``$SUPEROFFLOAD_CACHE_DIR``), and later processes load the
+cached library without rebuilding. One build serves every instruction set: each ISA file selects
+its own target, and the ISA is chosen at run time. ``SUPEROFFLOAD_FORCE_REFERENCE=1`` forces
+the reference.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import fcntl
+import hashlib
+import importlib.util
+import numbers
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from superoffload_hf import reference
 
+MODES = ("auto", "cpp", "reference")
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3, "sve": 4}
+CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17")
+FORCE_REFERENCE_ENV = "SUPEROFFLOAD_FORCE_REFERENCE"
+CACHE_DIR_ENV = "SUPEROFFLOAD_CACHE_DIR"
 
-@dataclass
-class HostAdam:
-    """One host Adam back end. `name` is "cpp" or "reference"; `isa` the instruction set in use."""
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc" / "grace_adam"
+_COMMON_SOURCES = ("binding.cpp", "dispatch.cpp", "adam_scalar.cpp")
+_ISA_SOURCES = {"x86_64": ("adam_avx2.cpp", "adam_avx512.cpp"), "aarch64": ("adam_neon.cpp", "adam_sve.cpp")}
+_HEADERS = ("grace_adam.h", "thread_pool.h")
 
-    name: str
-    isa: str
-    threads: int
 
-    def adam_step_(self, param, exp_avg, exp_avg_sq, grad, **hyper) -> None:
-        reference.adam_step_(param, exp_avg, exp_avg_sq, grad, **hyper)
+class KernelBuildError(RuntimeError):
+    """The GraceAdam extension could not be built or loaded."""
 
-    def adam_rollback_(self, param, exp_avg, exp_avg_sq, grad, **hyper) -> None:
-        reference.adam_rollback_(param, exp_avg, exp_avg_sq, grad, **hyper)
+
+# ---- the two back ends ---------------------------------------------------------------------------
+
+
+def _check_step(step) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"`step` is {step!r}; expected the 1-based count of the step being taken (an int >= 1).")
+    return int(step)
+
+
+def _as_float(name: str, value) -> float:
+    try:
+        if isinstance(value, (str, bytes)):  # e.g. "1e-3" from YAML, which reads it as a string
+            raise TypeError
+        return float(value)  # numbers and one-element tensors (LR schedulers may hand out either)
+    except (TypeError, ValueError):
+        raise TypeError(f"`{name}` is {value!r}; expected a real number.") from None
+
+
+_HYPER_NAMES = ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "adamw", "bias_correction", "grad_scale")
+
+
+def _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale) -> tuple:
+    """The hyperparameters in the binding's positional order, checked and converted."""
+    floats = [_as_float(name, value) for name, value in (("lr", lr), ("beta1", beta1), ("beta2", beta2),
+                                                          ("eps", eps), ("weight_decay", weight_decay))]
+    return (_check_step(step), *floats, bool(adamw), bool(bias_correction), _as_float("grad_scale", grad_scale))
+
+
+class ReferenceHostAdam:
+    """The PyTorch reference (superoffload_hf.reference) behind the host Adam interface."""
+
+    name = "reference"
+    isa = "none"
+
+    def __init__(self, threads: int, reason: str = "requested") -> None:
+        self.threads = threads
+        self.reason = reason
+
+    def adam_step_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
+                   adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
+        hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
+        reference.adam_step_(param, exp_avg, exp_avg_sq, grad, param_lowp=param_lowp, **dict(zip(_HYPER_NAMES, hyper)))
+
+    def adam_rollback_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
+                       adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
+        hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
+        reference.adam_rollback_(param, exp_avg, exp_avg_sq, grad, param_lowp=param_lowp,
+                                 **dict(zip(_HYPER_NAMES, hyper)))
 
     def sum_squares(self, grad: torch.Tensor) -> float:
         return reference.sum_squares(grad)
 
     def set_num_threads(self, n: int) -> None:
-        self.threads = n
+        self.threads = _check_threads(n)
+
+    def describe(self) -> str:
+        return f"host Adam: reference (PyTorch ops; {self.reason})"
 
 
-def get_host_adam(mode: str = "auto", threads: Optional[int] = None, isa: Optional[str] = None) -> HostAdam:
-    return HostAdam(name="reference", isa="none", threads=threads or 1)
+class CppHostAdam:
+    """The GraceAdam kernel. Its thread pool belongs to the process (shared by every instance)."""
+
+    name = "cpp"
+
+    def __init__(self, extension, isa: str) -> None:
+        self._ext = extension
+        self.isa = isa
+        self._isa_code = ISA_CODES[isa]
+
+    @property
+    def threads(self) -> int:
+        return int(self._ext.get_num_threads())
+
+    def adam_step_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
+                   adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
+        hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
+        self._ext.adam_step_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code)
+
+    def adam_rollback_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
+                       adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
+        hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
+        self._ext.adam_rollback_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code)
+
+    def sum_squares(self, grad: torch.Tensor) -> float:
+        return float(self._ext.sum_squares(grad, self._isa_code))
+
+    def set_num_threads(self, n: int) -> None:
+        self._ext.set_num_threads(_check_threads(n))
+
+    def describe(self) -> str:
+        return (f"host Adam: cpp (GraceAdam, isa {self.isa}, {self.threads} threads; "
+                f"supported isas: {', '.join(supported_isas(self._ext))})")
+
+
+# ---- choosing a back end -------------------------------------------------------------------------
+
+_last_backend = None
+_warned_fallback = False
+
+
+def get_host_adam(mode: str = "auto", threads: Optional[int] = None, isa: Optional[str] = None):
+    """The host Adam back end for `mode` ("auto" | "cpp" | "reference"), `threads` (None: the cores
+    this process may run on) and `isa` (None: the best this CPU supports)."""
+    global _last_backend
+    if mode not in MODES:
+        raise ValueError(f"`mode` is {mode!r}; valid choices are {list(MODES)}.")
+    if isa is not None and isa not in ISA_CODES:
+        raise ValueError(f"`isa` is {isa!r}; valid choices are None (the best supported) or {list(ISA_CODES)}.")
+    threads = default_threads() if threads is None else _check_threads(threads)
+    _last_backend = _choose_backend(mode, threads, isa)
+    return _last_backend
+
+
+def _choose_backend(mode: str, threads: int, isa: Optional[str]):
+    if os.environ.get(FORCE_REFERENCE_ENV, "") not in ("", "0"):
+        return ReferenceHostAdam(threads, reason=f"forced by {FORCE_REFERENCE_ENV}=1")
+    if mode == "reference":
+        return ReferenceHostAdam(threads, reason="mode='reference'")
+    try:
+        extension = load_extension()
+    except KernelBuildError as error:
+        if mode == "cpp":
+            raise
+        _warn_fallback_once(error)
+        return ReferenceHostAdam(threads, reason=f"fallback: {str(error).splitlines()[0]}")
+    backend = CppHostAdam(extension, _resolve_isa(extension, isa))
+    backend.set_num_threads(threads)
+    return backend
+
+
+def _resolve_isa(extension, isa: Optional[str]) -> str:
+    if isa is None:
+        return extension.isa_name(extension.best_isa())
+    if not extension.isa_supported(ISA_CODES[isa]):
+        raise ValueError(f"`isa` is {isa!r}, which this CPU does not support; supported: "
+                         f"{supported_isas(extension)} (or None for the best of them).")
+    return isa
+
+
+def _warn_fallback_once(error: Exception) -> None:
+    global _warned_fallback
+    if _warned_fallback:
+        return
+    _warned_fallback = True
+    warnings.warn(f"{error}\nFalling back to the (slower) PyTorch reference host Adam. Pass "
+                  "host_kernel='cpp' to make this an error.", RuntimeWarning, stacklevel=4)
+
+
+def supported_isas(extension=None) -> list:
+    extension = extension or load_extension()
+    return [name for name, code in ISA_CODES.items() if extension.isa_supported(code)]
+
+
+def default_threads() -> int:
+    """The cores this process may run on (whatever OMP_NUM_THREADS says)."""
+    return len(os.sched_getaffinity(0))
+
+
+def _check_threads(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"`threads` is {n!r}; expected an int >= 1 (or None for every core this process may use).")
+    return n
+
+
+def describe(backend=None) -> str:
+    """One line naming the host Adam in use: `backend`, or the last one get_host_adam returned."""
+    backend = backend or _last_backend
+    if backend is None:
+        return "host Adam: none chosen yet (call get_host_adam)"
+    return backend.describe()
+
+
+# ---- building and loading the extension ----------------------------------------------------------
+
+_extension = None
+_extension_error: Optional[KernelBuildError] = None
+_extension_lock = threading.Lock()
+
+
+def load_extension():
+    """The GraceAdam extension module: built at most once per process (a failure is remembered, so
+    it is not retried), and cached on disk across processes."""
+    global _extension, _extension_error
+    with _extension_lock:
+        if _extension is None and _extension_error is None:
+            try:
+                _extension = _build_or_load(SOURCE_DIR, cache_root())
+            except KernelBuildError as error:
+                _extension_error = error
+        if _extension_error is not None:
+            raise KernelBuildError(str(_extension_error)) from _extension_error
+        return _extension
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "superoffload_hf")
+
+
+def source_files(source_dir: Path) -> list:
+    machine = platform.machine().lower()
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+    names = _COMMON_SOURCES + _ISA_SOURCES.get(machine, ())
+    return [source_dir / name for name in names]
+
+
+def build_key(source_dir: Path) -> str:
+    """A hash of everything that makes one build differ from another."""
+    digest = hashlib.sha256()
+    for path in source_files(source_dir) + [source_dir / h for h in _HEADERS]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes() if path.is_file() else b"<missing>")
+    for part in (CFLAGS, torch.__version__, sys.implementation.cache_tag, platform.machine(),
+                 platform.system(), os.environ.get("CXX", "c++")):
+        digest.update(repr(part).encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_or_load(source_dir: Path, root: Path):
+    name = f"grace_adam_{build_key(source_dir)}"
+    build_dir = root / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{name}.so"
+    complete = build_dir / "build-complete"
+    with _exclusive(root / f"{name}.lock"):
+        if complete.is_file() and library.is_file():
+            return _import_library(name, library)
+        module = _build(name, source_dir, build_dir)
+        complete.write_text(f"{library.name}\n")  # written last: a killed build leaves no marker
+        return module
+
+
+@contextmanager
+def _exclusive(lock_path: Path):
+    # flock is released by the kernel when its holder dies, so a build killed halfway cannot leave
+    # a lock that hangs the next process (torch's own `lock` file can; see _build).
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _build(name: str, source_dir: Path, build_dir: Path):
+    from torch.utils import cpp_extension
+
+    sources = source_files(source_dir)
+    _check_toolchain(sources, cpp_extension)
+    # We hold the flock, so no other process is building here: a `lock` baton file is a leftover
+    # of a killed build, and torch would wait on it forever.
+    (build_dir / "lock").unlink(missing_ok=True)
+    try:
+        return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
+                           build_directory=str(build_dir), verbose=False)
+    except Exception as error:  # torch raises RuntimeError with the compiler output; keep its tail
+        detail = "\n".join(str(part) for part in (error, getattr(error, "output", None)) if part)
+        tail = "\n".join(detail.splitlines()[-40:])
+        raise KernelBuildError(f"Building the GraceAdam host Adam kernel in {build_dir} failed:\n{tail}\n"
+                               "Check that g++ (>= 9) and ninja work, or use host_kernel='reference'.") from error
+
+
+def _check_toolchain(sources: list, cpp_extension) -> None:
+    missing = [str(s) for s in sources if not s.is_file()]
+    if missing:
+        raise KernelBuildError(f"The GraceAdam sources {missing} are missing (the package must be used from a "
+                               "source checkout or an editable install: `pip install -e .`).")
+    if not cpp_extension.is_ninja_available():
+        raise KernelBuildError("Cannot build the GraceAdam host Adam kernel: ninja is not available. "
+                               "Install it with `pip install ninja`.")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"Cannot build the GraceAdam host Adam kernel: no C++ compiler {compiler!r} "
+                               "on PATH. Install g++ (e.g. `apt-get install g++`) or set CXX to one.")
+
+
+def _import_library(name: str, library: Path):
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        raise KernelBuildError(f"Loading the GraceAdam kernel {library} failed: {error}. Delete "
+                               f"{library.parent} to rebuild it.") from error
+    return module

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace grace_adam {
 
@@ -99,6 +100,11 @@ inline float load_grad(const void* g, GradDtype gd, int64_t i) {
                               : bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
 }
 
+// The address of gradient element i (a caller that splits work hands each slice its own start).
+inline const void* grad_offset(const void* g, GradDtype gd, int64_t i) {
+  return static_cast<const char*>(g) + i * (gd == GradDtype::F32 ? 4 : 2);
+}
+
 inline void store_lowp(void* out, LowpDtype ld, int64_t i, float p) {
   if (ld == LowpDtype::BF16) static_cast<uint16_t*>(out)[i] = f32_to_bf16_rne(p);
   else if (ld == LowpDtype::F16) static_cast<uint16_t*>(out)[i] = f32_to_f16_rne(p);
@@ -164,5 +170,46 @@ double sum_squares(Isa isa, const void* g, GradDtype gd, int64_t n);
 // the block sums added in order, so the result does not depend on how blocks are spread over
 // threads. Vector paths keep this block size; a caller that splits work splits at multiples of it.
 constexpr int64_t kSumSquaresBlock = 1 << 14;
+
+// The order inside one block, shared by every path so that they agree bitwise: element i of the
+// first n - n % kSumSquaresLanes goes to accumulator i % kSumSquaresLanes (acc += x*x in double;
+// the product of two floats is exact in double); the accumulators are reduced as a tree
+// (a[j] += a[j+8], then a[j] += a[j+4], a[j] += a[j+2], a[0] += a[1]); the last n % kSumSquaresLanes
+// elements are then added in order.
+constexpr int kSumSquaresLanes = 16;
+
+inline double sum_squares_tail(const void* g, GradDtype gd, int64_t begin, int64_t end, double sum) {
+  for (int64_t i = begin; i < end; ++i) {
+    const double x = load_grad(g, gd, i);
+    sum += x * x;
+  }
+  return sum;
+}
+
+// ---- compile-time variants ---------------------------------------------------------------------
+// Every ISA loop is a template on (grad dtype, lowp dtype, l2 != 0) so its inner loop has no
+// branches; with_variant maps the run-time values to the template arguments:
+// f(GradTag<GD>{}, LowpTag<LD>{}, std::bool_constant<L2>{}).
+template <GradDtype GD>
+using GradTag = std::integral_constant<GradDtype, GD>;
+template <LowpDtype LD>
+using LowpTag = std::integral_constant<LowpDtype, LD>;
+
+template <class GT, class F>
+inline void with_lowp_and_l2(GT gt, LowpDtype ld, bool has_l2, F&& f) {
+  auto with_l2 = [&](auto lt) {
+    if (has_l2) f(gt, lt, std::true_type{});
+    else f(gt, lt, std::false_type{});
+  };
+  if (ld == LowpDtype::BF16) with_l2(LowpTag<LowpDtype::BF16>{});
+  else if (ld == LowpDtype::F16) with_l2(LowpTag<LowpDtype::F16>{});
+  else with_l2(LowpTag<LowpDtype::NONE>{});
+}
+
+template <class F>
+inline void with_variant(GradDtype gd, LowpDtype ld, bool has_l2, F&& f) {
+  if (gd == GradDtype::BF16) with_lowp_and_l2(GradTag<GradDtype::BF16>{}, ld, has_l2, f);
+  else with_lowp_and_l2(GradTag<GradDtype::F32>{}, ld, has_l2, f);
+}
 
 }  // namespace grace_adam

@@ -1,0 +1,186 @@
+// GraceAdam, AVX-512 path (AVX512F/BW/VL): 16 floats per vector, the operations of step_one /
+// rollback_one lane by lane, the tail with those same inline functions.
+#include <immintrin.h>
+
+#include "grace_adam.h"
+
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
+// GCC 12 warns about the `__Y = __Y` idiom inside its own AVX-512 intrinsic headers.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace grace_adam {
+namespace {
+
+constexpr int64_t kWidth = 16;
+
+struct Vcoeffs {
+  __m512 beta1, beta2, one_minus_beta1, one_minus_beta2, neg_one_minus_beta1;
+  __m512 step_size, neg_step_size, inv_sqrt_bc2, eps, decay, l2, grad_scale;
+
+  explicit Vcoeffs(const Coeffs& c)
+      : beta1(_mm512_set1_ps(c.beta1)),
+        beta2(_mm512_set1_ps(c.beta2)),
+        one_minus_beta1(_mm512_set1_ps(c.one_minus_beta1)),
+        one_minus_beta2(_mm512_set1_ps(c.one_minus_beta2)),
+        neg_one_minus_beta1(_mm512_set1_ps(-c.one_minus_beta1)),
+        step_size(_mm512_set1_ps(c.step_size)),
+        neg_step_size(_mm512_set1_ps(-c.step_size)),
+        inv_sqrt_bc2(_mm512_set1_ps(c.inv_sqrt_bc2)),
+        eps(_mm512_set1_ps(c.eps)),
+        decay(_mm512_set1_ps(c.decay)),
+        l2(_mm512_set1_ps(c.l2)),
+        grad_scale(_mm512_set1_ps(c.grad_scale)) {}
+};
+
+__m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <GradDtype GD>
+__m512 load_grad_vec(const void* g, int64_t i) {
+  if constexpr (GD == GradDtype::F32) {
+    return _mm512_loadu_ps(static_cast<const float*>(g) + i);
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(g) + i;
+    return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  }
+}
+
+// f32_to_bf16_rne in integer arithmetic: bits + 0x7fff + lsb, keep the high half; NaN -> 0x7fc0.
+__m256i f32_to_bf16_rne_vec(__m512 p) {
+  const __m512i bits = _mm512_castps_si512(p);
+  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(abs_bits, _mm512_set1_epi32(0x7f800000));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// Hardware round-to-nearest-even; a NaN becomes sign | 0x7e00 as in f32_to_f16_rne (the hardware
+// would keep the top payload bits).
+__m256i f32_to_f16_rne_vec(__m512 p) {
+  const __m256i h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+  const __m256i sign = _mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0x8000)));
+  const __m256i quiet_nan = _mm256_or_si256(sign, _mm256_set1_epi16(0x7e00));
+  return _mm256_mask_mov_epi16(h, is_nan, quiet_nan);
+}
+
+template <LowpDtype LD>
+void store_lowp_vec(void* out, int64_t i, __m512 p) {
+  if constexpr (LD != LowpDtype::NONE) {
+    const __m256i h = LD == LowpDtype::BF16 ? f32_to_bf16_rne_vec(p) : f32_to_f16_rne_vec(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), h);
+  }
+}
+
+template <GradDtype GD, LowpDtype LD, bool L2>
+void step_loop(float* p, float* m, float* v, const void* g, void* lowp, int64_t n, const Coeffs& c) {
+  const Vcoeffs k(c);
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    __m512 pv = _mm512_loadu_ps(p + i);
+    __m512 gv = _mm512_mul_ps(load_grad_vec<GD>(g, i), k.grad_scale);
+    if constexpr (L2) gv = _mm512_fmadd_ps(k.l2, pv, gv);
+    const __m512 mv = _mm512_fmadd_ps(k.beta1, _mm512_loadu_ps(m + i), _mm512_mul_ps(k.one_minus_beta1, gv));
+    const __m512 g2 = _mm512_mul_ps(_mm512_mul_ps(k.one_minus_beta2, gv), gv);
+    const __m512 vv = _mm512_fmadd_ps(k.beta2, _mm512_loadu_ps(v + i), g2);
+    const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), k.inv_sqrt_bc2, k.eps);
+    const __m512 upd = _mm512_div_ps(mv, denom);
+    pv = _mm512_fmadd_ps(k.neg_step_size, upd, _mm512_mul_ps(pv, k.decay));
+    _mm512_storeu_ps(p + i, pv);
+    _mm512_storeu_ps(m + i, mv);
+    _mm512_storeu_ps(v + i, vv);
+    store_lowp_vec<LD>(lowp, i, pv);
+  }
+  for (; i < n; ++i) {
+    step_one(p[i], m[i], v[i], load_grad(g, GD, i), c);
+    store_lowp(lowp, LD, i, p[i]);
+  }
+}
+
+template <GradDtype GD, LowpDtype LD, bool L2>
+void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int64_t n,
+                   const Coeffs& c) {
+  const Vcoeffs k(c);
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    const __m512 mv = _mm512_loadu_ps(m + i);
+    const __m512 vv = _mm512_loadu_ps(v + i);
+    const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), k.inv_sqrt_bc2, k.eps);
+    __m512 pv = _mm512_fmadd_ps(k.step_size, _mm512_div_ps(mv, denom), _mm512_loadu_ps(p + i));
+    pv = _mm512_div_ps(pv, k.decay);
+    __m512 gv = _mm512_mul_ps(load_grad_vec<GD>(g, i), k.grad_scale);
+    if constexpr (L2) gv = _mm512_fmadd_ps(k.l2, pv, gv);
+    const __m512 m_prev = _mm512_div_ps(_mm512_fmadd_ps(k.neg_one_minus_beta1, gv, mv), k.beta1);
+    const __m512 g2 = _mm512_mul_ps(_mm512_mul_ps(k.one_minus_beta2, gv), gv);
+    const __m512 v_prev = _mm512_div_ps(_mm512_sub_ps(vv, g2), k.beta2);
+    // max(x, 0) returns its second operand when x is NaN: as `x > 0 ? x : 0` in rollback_one.
+    _mm512_storeu_ps(v + i, _mm512_max_ps(v_prev, _mm512_setzero_ps()));
+    _mm512_storeu_ps(m + i, m_prev);
+    _mm512_storeu_ps(p + i, pv);
+    store_lowp_vec<LD>(lowp, i, pv);
+  }
+  for (; i < n; ++i) {
+    rollback_one(p[i], m[i], v[i], load_grad(g, GD, i), c);
+    store_lowp(lowp, LD, i, p[i]);
+  }
+}
+
+// Two float32 halves of 16 gradient elements, widened to double: lanes 0-7 and 8-15.
+template <GradDtype GD>
+void load_grad_pd(const void* g, int64_t i, __m512d& lo, __m512d& hi) {
+  const __m512 x = load_grad_vec<GD>(g, i);
+  lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+  hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+
+// One block in the order documented at kSumSquaresLanes (accumulator j = lane j of acc_lo/acc_hi).
+template <GradDtype GD>
+double sum_squares_block(const void* g, int64_t n) {
+  static_assert(kSumSquaresLanes == kWidth, "one vector of floats per accumulator set");
+  __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
+  const int64_t n_lanes = n - n % kSumSquaresLanes;
+  for (int64_t i = 0; i < n_lanes; i += kWidth) {
+    __m512d lo, hi;
+    load_grad_pd<GD>(g, i, lo, hi);
+    acc_lo = _mm512_fmadd_pd(lo, lo, acc_lo);  // x*x is exact in double: fma == mul + add
+    acc_hi = _mm512_fmadd_pd(hi, hi, acc_hi);
+  }
+  const __m512d s8 = _mm512_add_pd(acc_lo, acc_hi);
+  const __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
+  const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+  const double s1 = _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+  return sum_squares_tail(g, GD, n_lanes, n, s1);
+}
+
+}  // namespace
+
+void step_avx512(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
+                 LowpDtype ld, int64_t n, const Coeffs& c) {
+  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
+    step_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
+  });
+}
+
+void rollback_avx512(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
+                     LowpDtype ld, int64_t n, const Coeffs& c) {
+  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
+    rollback_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
+  });
+}
+
+double sum_squares_avx512(const void* g, GradDtype gd, int64_t n) {
+  double sum = 0.0;
+  for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {
+    const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;
+    const void* block = grad_offset(g, gd, begin);
+    sum += gd == GradDtype::F32 ? sum_squares_block<GradDtype::F32>(block, len)
+                                : sum_squares_block<GradDtype::BF16>(block, len);
+  }
+  return sum;
+}
+
+}  // namespace grace_adam

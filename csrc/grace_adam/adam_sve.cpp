@@ -1,0 +1,251 @@
+// GraceAdam, Arm SVE path, vector-length agnostic: svcntw() floats per vector, whatever the
+// hardware has (128 bits on Grace, 256 on Graviton3, 512 on A64FX). The operations of step_one /
+// rollback_one lane by lane (svmad is one fused multiply-add, used exactly where they use
+// std::fma; svsqrt and svdiv are correctly rounded), so results equal the scalar path bitwise.
+// The tail is the last iteration of the same loop under a partial predicate (no scalar tail).
+// Only this file is compiled with SVE enabled (the pragma below); dispatch.cpp calls it only
+// when the CPU reports HWCAP_SVE. On other architectures this file compiles to nothing.
+#if defined(__aarch64__)
+
+#include "grace_adam.h"
+
+// The pragma comes after every other header: inline functions of grace_adam.h and of the
+// standard library keep the base target, so no out-of-line copy of them carries SVE
+// instructions (the linker keeps one arbitrary copy of each, which may run on a CPU without SVE).
+#pragma GCC push_options
+#pragma GCC target("+sve")
+#include <arm_sve.h>
+
+namespace grace_adam {
+namespace {
+
+// std::fma(a, b, c) == svmad(a, b, c): one rounding of a*b + c.
+inline svfloat32_t fma_vec(svbool_t pg, svfloat32_t a, svfloat32_t b, svfloat32_t c) {
+  return svmad_f32_x(pg, a, b, c);
+}
+
+template <GradDtype GD>
+svfloat32_t load_grad_vec(svbool_t pg, const void* g, int64_t i) {
+  if constexpr (GD == GradDtype::F32) {
+    return svld1_f32(pg, static_cast<const float*>(g) + i);
+  } else {
+    const svuint32_t h = svld1uh_u32(pg, static_cast<const uint16_t*>(g) + i);  // zero-extended
+    return svreinterpret_f32_u32(svlsl_n_u32_x(pg, h, 16));  // bf16 bits are the high half of an f32
+  }
+}
+
+// f32_to_bf16_rne in integer arithmetic: bits + 0x7fff + lsb, keep the high half; NaN -> 0x7fc0.
+svuint32_t f32_to_bf16_rne_vec(svbool_t pg, svfloat32_t p) {
+  const svuint32_t bits = svreinterpret_u32_f32(p);
+  const svbool_t is_nan = svcmpgt_n_u32(pg, svand_n_u32_x(pg, bits, 0x7fffffffu), 0x7f800000u);
+  const svuint32_t lsb = svand_n_u32_x(pg, svlsr_n_u32_x(pg, bits, 16), 1u);
+  const svuint32_t rounded = svlsr_n_u32_x(pg, svadd_u32_x(pg, bits, svadd_n_u32_x(pg, lsb, 0x7fffu)), 16);
+  return svsel_u32(is_nan, svdup_n_u32(0x7fc0u), rounded);
+}
+
+// Hardware round-to-nearest-even (the default FPCR mode; no flush to zero). svcvt_f16_f32 puts
+// each half in the low 16 bits of its 32-bit lane. A NaN becomes sign | 0x7e00 as in
+// f32_to_f16_rne (the hardware would keep the top payload bits).
+svuint32_t f32_to_f16_rne_vec(svbool_t pg, svfloat32_t p) {
+  const svuint32_t h = svreinterpret_u32_f16(svcvt_f16_f32_x(pg, p));
+  const svbool_t is_nan = svcmpuo_f32(pg, p, p);
+  const svuint32_t sign = svand_n_u32_x(pg, svlsr_n_u32_x(pg, svreinterpret_u32_f32(p), 16), 0x8000u);
+  return svsel_u32(is_nan, svorr_n_u32_x(pg, sign, 0x7e00u), h);
+}
+
+template <LowpDtype LD>
+void store_lowp_vec(svbool_t pg, void* out, int64_t i, svfloat32_t p) {
+  if constexpr (LD != LowpDtype::NONE) {
+    const svuint32_t h = LD == LowpDtype::BF16 ? f32_to_bf16_rne_vec(pg, p) : f32_to_f16_rne_vec(pg, p);
+    svst1h_u32(pg, static_cast<uint16_t*>(out) + i, h);  // narrowing store: low 16 bits of each lane
+  }
+}
+
+template <GradDtype GD, LowpDtype LD, bool L2>
+void step_loop(float* p, float* m, float* v, const void* g, void* lowp, int64_t n, const Coeffs& c) {
+  const svfloat32_t beta1 = svdup_n_f32(c.beta1), beta2 = svdup_n_f32(c.beta2);
+  const svfloat32_t one_minus_beta1 = svdup_n_f32(c.one_minus_beta1);
+  const svfloat32_t one_minus_beta2 = svdup_n_f32(c.one_minus_beta2);
+  const svfloat32_t neg_step_size = svdup_n_f32(-c.step_size), decay = svdup_n_f32(c.decay);
+  const svfloat32_t inv_sqrt_bc2 = svdup_n_f32(c.inv_sqrt_bc2), eps = svdup_n_f32(c.eps);
+  const svfloat32_t l2 = svdup_n_f32(c.l2), grad_scale = svdup_n_f32(c.grad_scale);
+  for (int64_t i = 0; i < n; i += static_cast<int64_t>(svcntw())) {
+    const svbool_t pg = svwhilelt_b32_s64(i, n);
+    svfloat32_t pv = svld1_f32(pg, p + i);
+    svfloat32_t gv = svmul_f32_x(pg, load_grad_vec<GD>(pg, g, i), grad_scale);
+    if constexpr (L2) gv = fma_vec(pg, l2, pv, gv);
+    const svfloat32_t mv = fma_vec(pg, beta1, svld1_f32(pg, m + i), svmul_f32_x(pg, one_minus_beta1, gv));
+    const svfloat32_t g2 = svmul_f32_x(pg, svmul_f32_x(pg, one_minus_beta2, gv), gv);
+    const svfloat32_t vv = fma_vec(pg, beta2, svld1_f32(pg, v + i), g2);
+    const svfloat32_t denom = fma_vec(pg, svsqrt_f32_x(pg, vv), inv_sqrt_bc2, eps);
+    const svfloat32_t upd = svdiv_f32_x(pg, mv, denom);
+    pv = fma_vec(pg, neg_step_size, upd, svmul_f32_x(pg, pv, decay));
+    svst1_f32(pg, p + i, pv);
+    svst1_f32(pg, m + i, mv);
+    svst1_f32(pg, v + i, vv);
+    store_lowp_vec<LD>(pg, lowp, i, pv);
+  }
+}
+
+template <GradDtype GD, LowpDtype LD, bool L2>
+void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int64_t n,
+                   const Coeffs& c) {
+  const svfloat32_t beta1 = svdup_n_f32(c.beta1), beta2 = svdup_n_f32(c.beta2);
+  const svfloat32_t neg_one_minus_beta1 = svdup_n_f32(-c.one_minus_beta1);
+  const svfloat32_t one_minus_beta2 = svdup_n_f32(c.one_minus_beta2);
+  const svfloat32_t step_size = svdup_n_f32(c.step_size), decay = svdup_n_f32(c.decay);
+  const svfloat32_t inv_sqrt_bc2 = svdup_n_f32(c.inv_sqrt_bc2), eps = svdup_n_f32(c.eps);
+  const svfloat32_t l2 = svdup_n_f32(c.l2), grad_scale = svdup_n_f32(c.grad_scale);
+  const svfloat32_t zero = svdup_n_f32(0.0f);
+  for (int64_t i = 0; i < n; i += static_cast<int64_t>(svcntw())) {
+    const svbool_t pg = svwhilelt_b32_s64(i, n);
+    const svfloat32_t mv = svld1_f32(pg, m + i);
+    const svfloat32_t vv = svld1_f32(pg, v + i);
+    const svfloat32_t denom = fma_vec(pg, svsqrt_f32_x(pg, vv), inv_sqrt_bc2, eps);
+    svfloat32_t pv = fma_vec(pg, step_size, svdiv_f32_x(pg, mv, denom), svld1_f32(pg, p + i));
+    pv = svdiv_f32_x(pg, pv, decay);
+    svfloat32_t gv = svmul_f32_x(pg, load_grad_vec<GD>(pg, g, i), grad_scale);
+    if constexpr (L2) gv = fma_vec(pg, l2, pv, gv);
+    const svfloat32_t m_prev = svdiv_f32_x(pg, fma_vec(pg, neg_one_minus_beta1, gv, mv), beta1);
+    const svfloat32_t g2 = svmul_f32_x(pg, svmul_f32_x(pg, one_minus_beta2, gv), gv);
+    const svfloat32_t v_prev = svdiv_f32_x(pg, svsub_f32_x(pg, vv, g2), beta2);
+    // `v_prev > 0 ? v_prev : 0` as in rollback_one: a NaN or -0 compares false and becomes +0.
+    svst1_f32(pg, v + i, svsel_f32(svcmpgt_f32(pg, v_prev, zero), v_prev, zero));
+    svst1_f32(pg, m + i, m_prev);
+    svst1_f32(pg, p + i, pv);
+    store_lowp_vec<LD>(pg, lowp, i, pv);
+  }
+}
+
+// ---- sum of squares ------------------------------------------------------------------------
+// The order documented at kSumSquaresLanes has 16 double accumulators whatever the vector
+// length. With D = svcntd() doubles per vector: D in {2, 4, 8} gives K = 16 / D accumulator
+// vectors (accumulator j = lane j % D of vector j / D); D >= 16 gives one vector with its first
+// 16 lanes active. D in {6, 10, 12, 14} (a vector length that is not a power of two, which
+// SVE once allowed) uses the scalar order.
+
+// Floats i .. i+D-1 (under pg), each widened exactly into a 64-bit lane.
+template <GradDtype GD>
+svfloat64_t load_grad_f64(svbool_t pg, const void* g, int64_t i) {
+  svuint64_t bits;
+  if constexpr (GD == GradDtype::F32) {
+    bits = svld1uw_u64(pg, static_cast<const uint32_t*>(g) + i);
+  } else {
+    bits = svlsl_n_u64_x(pg, svld1uh_u64(pg, static_cast<const uint16_t*>(g) + i), 16);
+  }
+  // The float sits in the low half of each 64-bit lane, which is what svcvt_f64_f32 converts.
+  return svcvt_f64_f32_x(pg, svreinterpret_f32_u64(bits));
+}
+
+// acc + x*x; x*x is exact in double, so the fused form equals mul + add. Inactive lanes keep acc.
+template <GradDtype GD>
+svfloat64_t square_add(svbool_t pg, svfloat64_t acc, const void* g, int64_t i) {
+  const svfloat64_t x = load_grad_f64<GD>(pg, g, i);
+  return svmla_f64_m(pg, acc, x, x);
+}
+
+// One tree level `a[j] += a[j + W]` when W is below the vector length: lanes, within acc.
+template <int W>
+svfloat64_t fold_lanes(svfloat64_t acc) {
+  return svadd_f64_x(svptrue_b64(), acc, svext_f64(acc, acc, W));
+}
+
+template <GradDtype GD, int K>
+double sum_squares_block(const void* g, int64_t n) {
+  constexpr int D = K == 1 ? 16 : 16 / K;  // lanes used per vector
+  const svbool_t pg = K == 1 ? svwhilelt_b64_s32(0, 16) : svptrue_b64();
+  svfloat64_t a0 = svdup_n_f64(0.0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  const int64_t n_lanes = n - n % kSumSquaresLanes;
+  for (int64_t i = 0; i < n_lanes; i += kSumSquaresLanes) {
+    a0 = square_add<GD>(pg, a0, g, i);
+    if constexpr (K >= 2) a1 = square_add<GD>(pg, a1, g, i + D);
+    if constexpr (K >= 4) {
+      a2 = square_add<GD>(pg, a2, g, i + 2 * D);
+      a3 = square_add<GD>(pg, a3, g, i + 3 * D);
+    }
+    if constexpr (K == 8) {
+      a4 = square_add<GD>(pg, a4, g, i + 4 * D);
+      a5 = square_add<GD>(pg, a5, g, i + 5 * D);
+      a6 = square_add<GD>(pg, a6, g, i + 6 * D);
+      a7 = square_add<GD>(pg, a7, g, i + 7 * D);
+    }
+  }
+  const svbool_t all = svptrue_b64();
+  // Tree levels W = 8, 4, 2 that span whole vectors (W >= D) add vectors; the rest add lanes.
+  if constexpr (K == 8) {
+    a0 = svadd_f64_x(all, a0, a4);
+    a1 = svadd_f64_x(all, a1, a5);
+    a2 = svadd_f64_x(all, a2, a6);
+    a3 = svadd_f64_x(all, a3, a7);
+  }
+  if constexpr (K >= 4) {
+    a0 = svadd_f64_x(all, a0, a2);
+    a1 = svadd_f64_x(all, a1, a3);
+  }
+  if constexpr (K >= 2) a0 = svadd_f64_x(all, a0, a1);
+  if constexpr (D > 8) a0 = fold_lanes<8>(a0);
+  if constexpr (D > 4) a0 = fold_lanes<4>(a0);
+  if constexpr (D > 2) a0 = fold_lanes<2>(a0);
+  a0 = fold_lanes<1>(a0);
+  const double s1 = svlasta_f64(svpfalse_b(), a0);  // with no active lane, lasta returns lane 0
+  return sum_squares_tail(g, GD, n_lanes, n, s1);
+}
+
+// The scalar order, for vector lengths that are not a power of two.
+double sum_squares_block_any(const void* g, GradDtype gd, int64_t n) {
+  double acc[kSumSquaresLanes] = {};
+  const int64_t n_lanes = n - n % kSumSquaresLanes;
+  for (int64_t i = 0; i < n_lanes; ++i) {
+    const double x = load_grad(g, gd, i);
+    acc[i % kSumSquaresLanes] += x * x;
+  }
+  for (int width = kSumSquaresLanes / 2; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
+  }
+  return sum_squares_tail(g, gd, n_lanes, n, acc[0]);
+}
+
+template <GradDtype GD>
+double sum_squares_block_vla(const void* g, int64_t n) {
+  static_assert(kSumSquaresLanes == 16, "the accumulator layouts below assume 16 accumulators");
+  switch (svcntd()) {
+    case 2: return sum_squares_block<GD, 8>(g, n);
+    case 4: return sum_squares_block<GD, 4>(g, n);
+    case 8: return sum_squares_block<GD, 2>(g, n);
+    default: break;
+  }
+  if (svcntd() >= 16) return sum_squares_block<GD, 1>(g, n);
+  return sum_squares_block_any(g, GD, n);
+}
+
+}  // namespace
+
+void step_sve(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
+              LowpDtype ld, int64_t n, const Coeffs& c) {
+  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
+    step_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
+  });
+}
+
+void rollback_sve(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
+                  LowpDtype ld, int64_t n, const Coeffs& c) {
+  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
+    rollback_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
+  });
+}
+
+double sum_squares_sve(const void* g, GradDtype gd, int64_t n) {
+  double sum = 0.0;
+  for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {
+    const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;
+    const void* block = grad_offset(g, gd, begin);
+    sum += gd == GradDtype::F32 ? sum_squares_block_vla<GradDtype::F32>(block, len)
+                                : sum_squares_block_vla<GradDtype::BF16>(block, len);
+  }
+  return sum;
+}
+
+}  // namespace grace_adam
+
+#pragma GCC pop_options
+#endif  // defined(__aarch64__)

@@ -1,0 +1,252 @@
+// The torch binding of GraceAdam: checks every input (nothing is touched when a check fails),
+// releases the GIL, and runs the core on the process's own thread pool.
+#include <torch/extension.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "grace_adam.h"
+#include "thread_pool.h"
+
+namespace grace_adam {
+namespace {
+
+// Step slices start at multiples of this many elements (64 KiB of fp32 state per buffer), so a
+// small bucket runs on the calling thread alone.
+constexpr int64_t kStepGrain = 1 << 14;
+
+struct Pool {
+  ThreadPool pool;
+  pid_t pid;
+};
+
+std::atomic<Pool*> g_pool{nullptr};
+std::atomic<int> g_pool_size{1};
+
+// The pool of this process. After a fork the child has none of the parent's threads: it leaks the
+// parent's pool (whose mutexes may be held by threads that no longer exist) and starts its own.
+ThreadPool& pool() {
+  Pool* current = g_pool.load();
+  if (current != nullptr && current->pid == getpid()) return current->pool;
+  Pool* fresh = new Pool{ThreadPool(g_pool_size.load()), getpid()};
+  if (g_pool.compare_exchange_strong(current, fresh)) return fresh->pool;
+  delete fresh;
+  return g_pool.load()->pool;
+}
+
+std::string dtype_name(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kDouble: return "torch.float64";
+    default: return std::string("torch.") + c10::toString(st);
+  }
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << dtype_name(t.scalar_type()) << " on " << t.device() << ", shape " << t.sizes() << ", strides " << t.strides();
+  return out.str();
+}
+
+void check_buffer(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK_TYPE(t.device().is_cpu(), "`", name, "` must be a CPU tensor, got ", describe(t),
+                   ". The host Adam works on host memory: pass the host copy of the buffer.");
+  TORCH_CHECK_VALUE(t.dim() == 1, "`", name, "` must be a flat 1-D tensor, got ", describe(t),
+                    ". Pass a flat view (e.g. `.view(-1)` of a contiguous buffer).");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "`", name, "` must be contiguous, got ", describe(t),
+                    ". The kernel writes in place and never works on a hidden copy: pass the "
+                    "contiguous buffer itself, not a strided view of it.");
+  TORCH_CHECK_VALUE(t.numel() == n, "`", name, "` has ", t.numel(), " elements, `param` has ", n,
+                    "; all buffers must have the same length.");
+}
+
+void check_state(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "`", name, "` must be float32, got ", describe(t),
+                   ". The host state (fp32 master weights and Adam moments) is kept in float32.");
+  check_buffer(t, name, n);
+}
+
+GradDtype check_grad(const at::Tensor& grad, int64_t n) {
+  const auto st = grad.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16, "`grad` must be float32 or bfloat16, got ",
+                   describe(grad), ". Cast it (`.float()`) into the staging buffer before the step.");
+  check_buffer(grad, "grad", n);
+  return st == at::kFloat ? GradDtype::F32 : GradDtype::BF16;
+}
+
+LowpDtype check_lowp(const std::optional<at::Tensor>& lowp, int64_t n) {
+  if (!lowp.has_value()) return LowpDtype::NONE;
+  const auto st = lowp->scalar_type();
+  TORCH_CHECK_TYPE(st == at::kBFloat16 || st == at::kHalf,
+                   "`param_lowp` must be None, bfloat16 or float16, got ", describe(*lowp),
+                   ". It receives the rounded copy of the updated fp32 param.");
+  check_buffer(*lowp, "param_lowp", n);
+  return st == at::kBFloat16 ? LowpDtype::BF16 : LowpDtype::F16;
+}
+
+Isa check_isa(int64_t isa) {
+  TORCH_CHECK_VALUE(isa >= static_cast<int64_t>(Isa::SCALAR) && isa <= static_cast<int64_t>(Isa::SVE),
+                    "`isa` is ", isa, "; expected 0 (scalar), 1 (avx2), 2 (avx512), 3 (neon) or 4 (sve).");
+  const Isa chosen = static_cast<Isa>(isa);
+  TORCH_CHECK_VALUE(isa_supported(chosen), "`isa` is ", isa_name(chosen),
+                    ", which this CPU does not support; use best_isa() or one isa_supported() accepts.");
+  return chosen;
+}
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const char* a0 = static_cast<const char*>(a.data_ptr());
+  const char* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+void check_no_overlap(const std::vector<std::pair<const char*, const at::Tensor*>>& named) {
+  for (size_t i = 0; i < named.size(); ++i) {
+    for (size_t j = i + 1; j < named.size(); ++j) {
+      TORCH_CHECK_VALUE(!overlaps(*named[i].second, *named[j].second), "`", named[i].first, "` and `",
+                        named[j].first, "` share memory; each buffer must be its own storage.");
+    }
+  }
+}
+
+struct Buffers {
+  float *p, *m, *v;
+  const void* g;
+  GradDtype gd;
+  void* lowp;
+  LowpDtype ld;
+  int64_t n;
+};
+
+Buffers check_buffers(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                      const at::Tensor& grad, const std::optional<at::Tensor>& param_lowp) {
+  const int64_t n = param.numel();
+  check_state(param, "param", n);
+  check_state(exp_avg, "exp_avg", n);
+  check_state(exp_avg_sq, "exp_avg_sq", n);
+  const GradDtype gd = check_grad(grad, n);
+  const LowpDtype ld = check_lowp(param_lowp, n);
+  std::vector<std::pair<const char*, const at::Tensor*>> named = {
+      {"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}, {"grad", &grad}};
+  if (param_lowp.has_value()) named.emplace_back("param_lowp", &*param_lowp);
+  check_no_overlap(named);
+  void* lowp = param_lowp.has_value() ? param_lowp->data_ptr() : nullptr;
+  return Buffers{param.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                 grad.data_ptr(), gd, lowp, ld, n};
+}
+
+Coeffs check_coeffs(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                    bool adamw, bool bias_correction, double grad_scale) {
+  TORCH_CHECK_VALUE(step >= 1, "`step` is ", step, "; expected the 1-based count of the step being taken (>= 1).");
+  return make_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+}
+
+void check_invertible(const Coeffs& c) {
+  TORCH_CHECK_VALUE(c.beta1 != 0.0f && c.beta2 != 0.0f && c.decay != 0.0f,
+                    "rollback cannot invert a step taken with beta1 = ", c.beta1, ", beta2 = ", c.beta2,
+                    ", 1 - lr*weight_decay = ", c.decay,
+                    " (each must be non-zero); restore from a snapshot instead (config rollback=\"snapshot\").");
+}
+
+using Kernel = void (*)(Isa, float*, float*, float*, const void*, GradDtype, void*, LowpDtype, int64_t,
+                        const Coeffs&);
+
+void run_on_pool(Kernel kernel, Isa isa, const Buffers& b, const Coeffs& c) {
+  pybind11::gil_scoped_release no_gil;
+  pool().parallel_for(b.n, kStepGrain, [&](int64_t begin, int64_t end) {
+    uint16_t* lowp = b.lowp == nullptr ? nullptr : static_cast<uint16_t*>(b.lowp) + begin;
+    kernel(isa, b.p + begin, b.m + begin, b.v + begin, grad_offset(b.g, b.gd, begin), b.gd, lowp, b.ld,
+           end - begin, c);
+  });
+}
+
+void adam_step_(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                const at::Tensor& grad, const std::optional<at::Tensor>& param_lowp, int64_t step, double lr,
+                double beta1, double beta2, double eps, double weight_decay, bool adamw, bool bias_correction,
+                double grad_scale, int64_t isa) {
+  const Buffers b = check_buffers(param, exp_avg, exp_avg_sq, grad, param_lowp);
+  const Coeffs c = check_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+  run_on_pool(&grace_adam::step, check_isa(isa), b, c);
+}
+
+void adam_rollback_(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                    const at::Tensor& grad, const std::optional<at::Tensor>& param_lowp, int64_t step, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                    bool bias_correction, double grad_scale, int64_t isa) {
+  const Buffers b = check_buffers(param, exp_avg, exp_avg_sq, grad, param_lowp);
+  const Coeffs c = check_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+  check_invertible(c);
+  run_on_pool(&grace_adam::rollback, check_isa(isa), b, c);
+}
+
+// Block sums land in their own slots and are added in block order afterwards, so the result is
+// the same for any number of threads.
+double sum_squares_(const at::Tensor& grad, int64_t isa) {
+  const GradDtype gd = check_grad(grad, grad.numel());
+  const Isa chosen = check_isa(isa);
+  const int64_t n = grad.numel();
+  const void* g = grad.data_ptr();
+  std::vector<double> block_sums((n + kSumSquaresBlock - 1) / kSumSquaresBlock, 0.0);
+  {
+    pybind11::gil_scoped_release no_gil;
+    pool().parallel_for(n, kSumSquaresBlock, [&](int64_t begin, int64_t end) {
+      for (int64_t at = begin; at < end; at += kSumSquaresBlock) {
+        const int64_t len = std::min(kSumSquaresBlock, end - at);
+        block_sums[at / kSumSquaresBlock] = sum_squares(chosen, grad_offset(g, gd, at), gd, len);
+      }
+    });
+  }
+  double total = 0.0;
+  for (double s : block_sums) total += s;
+  return total;
+}
+
+void set_num_threads(int64_t threads) {
+  TORCH_CHECK_VALUE(threads >= 1 && threads <= 4096, "`threads` is ", threads, "; expected an integer in [1, 4096].");
+  g_pool_size.store(static_cast<int>(threads));
+  pool().resize(static_cast<int>(threads));
+}
+
+int64_t get_num_threads() { return pool().size(); }
+
+}  // namespace
+}  // namespace grace_adam
+
+namespace {
+
+template <class Fn>
+void def_update(pybind11::module_& module, const char* name, Fn fn, const char* doc) {
+  namespace py = pybind11;
+  module.def(name, fn, doc, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"),
+             py::arg("param_lowp"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+             py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
+             py::arg("grad_scale"), py::arg("isa"));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  namespace py = pybind11;
+  using namespace grace_adam;
+  module.doc() = "GraceAdam: the host Adam kernel (see superoffload_hf/reference.py for the math).";
+  def_update(module, "adam_step_", &adam_step_, "One Adam step in place.");
+  def_update(module, "adam_rollback_", &adam_rollback_, "Undo adam_step_ (same gradient and arguments) in place.");
+  module.def("sum_squares", &sum_squares_, "Sum of squares of a flat gradient, in float64.", py::arg("grad"),
+             py::arg("isa"));
+  module.def("set_num_threads", &set_num_threads, "Resize this process's kernel thread pool.", py::arg("threads"));
+  module.def("get_num_threads", &get_num_threads, "Size of this process's kernel thread pool.");
+  module.def("best_isa", [] { return static_cast<int64_t>(best_isa()); });
+  module.def(
+      "isa_supported",
+      [](int64_t isa) {
+        return isa >= 0 && isa <= static_cast<int64_t>(Isa::SVE) && isa_supported(static_cast<Isa>(isa));
+      },
+      py::arg("isa"));
+  module.def(
+      "isa_name", [](int64_t isa) { return std::string(isa_name(static_cast<Isa>(isa))); }, py::arg("isa"));
+}

@@ -1,0 +1,140 @@
+// A small persistent thread pool (torch-free): runs fn(begin, end) over slices of [0, n).
+//
+// The caller's thread runs the first slice and the workers the others; the call returns when
+// every slice is done and rethrows the first exception any slice threw. One parallel_for runs
+// at a time (concurrent callers queue). Its size is set explicitly, never from OMP_NUM_THREADS.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace grace_adam {
+
+class ThreadPool {
+ public:
+  using SliceFn = std::function<void(int64_t begin, int64_t end)>;
+
+  explicit ThreadPool(int threads) { start_workers(checked_size(threads) - 1); }
+  ~ThreadPool() { stop_workers(); }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return size_.load(); }
+
+  void resize(int threads) {
+    const int size_new = checked_size(threads);
+    std::lock_guard<std::mutex> one_run(run_mutex_);
+    if (size_new == size()) return;
+    stop_workers();
+    start_workers(size_new - 1);
+  }
+
+  // Slices start at multiples of `grain`; there are at most size() of them, as equal as the
+  // grain allows. A range of at most one grain runs on the caller alone, with no hand-off.
+  void parallel_for(int64_t n, int64_t grain, const SliceFn& fn) {
+    if (n <= 0) return;
+    std::lock_guard<std::mutex> one_run(run_mutex_);
+    const int64_t grains = (n + grain - 1) / grain;
+    const int64_t slices_max = std::min<int64_t>(size(), grains);
+    const int64_t chunk = (grains + slices_max - 1) / slices_max * grain;
+    const int slices = static_cast<int>((n + chunk - 1) / chunk);
+    if (slices == 1) return fn(0, n);
+    publish(Job{&fn, n, chunk, slices});
+    run_slice(0);
+    wait_and_rethrow();
+  }
+
+ private:
+  struct Job {
+    const SliceFn* fn = nullptr;
+    int64_t n = 0, chunk = 0;
+    int slices = 0;
+  };
+
+  static int checked_size(int threads) {
+    if (threads < 1) {
+      throw std::invalid_argument("GraceAdam thread pool size is " + std::to_string(threads) +
+                                  "; expected at least 1.");
+    }
+    return threads;
+  }
+
+  void start_workers(int count) {
+    stopping_ = false;
+    const uint64_t seen = generation_;  // no job is in flight here: a new worker must not run an old one
+    for (int i = 0; i < count; ++i) workers_.emplace_back([this, i, seen] { worker_main(i + 1, seen); });
+    size_.store(count + 1);
+  }
+
+  void stop_workers() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_ready_.notify_all();
+    for (std::thread& t : workers_) t.join();
+    workers_.clear();
+  }
+
+  void publish(const Job& job) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job_ = job;
+    pending_ = job.slices - 1;
+    error_ = nullptr;
+    ++generation_;
+    work_ready_.notify_all();
+  }
+
+  void run_slice(int index) {
+    const int64_t begin = index * job_.chunk;
+    const int64_t end = std::min(job_.n, begin + job_.chunk);
+    try {
+      (*job_.fn)(begin, end);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+
+  void wait_and_rethrow() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    all_done_.wait(lock, [this] { return pending_ == 0; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  void worker_main(int index, uint64_t seen) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+      if (stopping_) return;
+      seen = generation_;
+      if (index >= job_.slices) continue;
+      lock.unlock();
+      run_slice(index);  // job_ is not rewritten until every slice has reported back
+      lock.lock();
+      if (--pending_ == 0) all_done_.notify_one();
+    }
+  }
+
+  std::mutex run_mutex_;  // held for a whole parallel_for or resize
+  std::mutex mutex_;      // guards everything below
+  std::condition_variable work_ready_, all_done_;
+  std::vector<std::thread> workers_;
+  std::atomic<int> size_{1};  // readable while a resize runs
+  Job job_;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+};
+
+}  // namespace grace_adam

@@ -1,0 +1,50 @@
+"""Shared fixtures: the GraceAdam extension, built once per test run (skipped when it cannot be)."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from superoffload_hf import kernel
+
+# The ISA paths this architecture builds (the Arm ones have their own native tests as well).
+ARCH_ISAS = {"x86_64": ["scalar", "avx2", "avx512"], "aarch64": ["scalar", "neon", "sve"]}
+
+
+@pytest.fixture(scope="session")
+def grace_adam_extension():
+    """The compiled GraceAdam module (cached across runs); skips the test when it cannot be built."""
+    try:
+        return kernel.load_extension()
+    except kernel.KernelBuildError as error:
+        pytest.skip(f"the GraceAdam C++ extension cannot be built here: {str(error).splitlines()[0]}")
+
+
+@pytest.fixture(params=ARCH_ISAS.get(platform.machine().lower(), ["scalar"]))
+def isa(request, grace_adam_extension) -> str:
+    """Each instruction-set path of the kernel; the ones this CPU lacks are skipped."""
+    if not grace_adam_extension.isa_supported(kernel.ISA_CODES[request.param]):
+        pytest.skip(f"isa {request.param!r} is not supported on this CPU")
+    return request.param
+
+
+@pytest.fixture
+def cpp_adam(grace_adam_extension):
+    """make(isa, threads=1) -> the kernel back end forced to one ISA path. One thread by default:
+    on a busy 2-core machine a pool worker can wait milliseconds for a core on every call; tests
+    of the pool ask for more threads explicitly."""
+    threads_before = grace_adam_extension.get_num_threads()
+
+    def make(isa: str, threads: int = 1) -> kernel.CppHostAdam:
+        backend = kernel.CppHostAdam(grace_adam_extension, isa)
+        backend.set_num_threads(threads)
+        return backend
+
+    yield make
+    grace_adam_extension.set_num_threads(threads_before)
+
+
+@pytest.fixture
+def supported_isas(grace_adam_extension) -> list:
+    return kernel.supported_isas(grace_adam_extension)

@@ -1,0 +1,158 @@
+"""The host Adam loader: back-end choice, ISA forcing, build failures, the build cache and its locks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from superoffload_hf import kernel
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """The loader as in a new process, with an empty cache in tmp_path (the real cache is untouched)."""
+    monkeypatch.setattr(kernel, "_extension", None)
+    monkeypatch.setattr(kernel, "_extension_error", None)
+    monkeypatch.setattr(kernel, "_warned_fallback", False)
+    monkeypatch.setenv(kernel.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(kernel.FORCE_REFERENCE_ENV, raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def failing_compiler(fresh_loader, monkeypatch):
+    script = fresh_loader / "broken-c++"
+    # Answers torch's version probes like the real compiler, fails every compilation.
+    script.write_text("#!/bin/sh\ncase \" $* \" in *' -c '*) ;; *) exec g++ \"$@\" ;; esac\n"
+                      "echo 'broken-c++: deliberate failure for the test' >&2\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    return script
+
+
+def test_force_reference_env_var_selects_the_reference(monkeypatch):
+    monkeypatch.setenv(kernel.FORCE_REFERENCE_ENV, "1")
+    for mode in ("auto", "cpp"):
+        adam = kernel.get_host_adam(mode, threads=3)
+        assert (adam.name, adam.isa, adam.threads) == ("reference", "none", 3)
+        assert kernel.FORCE_REFERENCE_ENV in kernel.describe()
+
+
+def test_reference_mode_works_like_the_reference():
+    adam = kernel.get_host_adam("reference", threads=2)
+    assert (adam.name, adam.isa, adam.threads) == ("reference", "none", 2)
+    p, m, v, g = torch.ones(5), torch.zeros(5), torch.zeros(5), torch.full((5,), 0.5)
+    adam.adam_step_(p, m, v, g, step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+    torch.testing.assert_close(p, torch.full((5,), 0.9))
+    assert adam.sum_squares(g) == 1.25
+    adam.set_num_threads(1)
+    assert adam.threads == 1
+
+
+def test_cpp_mode_reports_isa_and_threads(grace_adam_extension, monkeypatch):
+    monkeypatch.delenv(kernel.FORCE_REFERENCE_ENV, raising=False)
+    adam = kernel.get_host_adam("cpp")
+    assert adam.name == "cpp"
+    assert adam.isa == grace_adam_extension.isa_name(grace_adam_extension.best_isa())
+    assert adam.threads == len(os.sched_getaffinity(0))
+    line = kernel.describe()
+    assert "cpp" in line and adam.isa in line and "\n" not in line
+
+
+def test_extension_is_built_once_per_process(grace_adam_extension):
+    assert kernel.load_extension() is grace_adam_extension
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_isa_can_be_forced(grace_adam_extension, monkeypatch, isa):
+    monkeypatch.delenv(kernel.FORCE_REFERENCE_ENV, raising=False)
+    if not grace_adam_extension.isa_supported(kernel.ISA_CODES[isa]):
+        pytest.skip(f"{isa} is not supported on this CPU")
+    adam = kernel.get_host_adam("cpp", threads=1, isa=isa)
+    assert (adam.isa, adam.threads) == (isa, 1)
+
+
+def test_unknown_or_unsupported_isa_raises_naming_the_choices(grace_adam_extension, monkeypatch):
+    monkeypatch.delenv(kernel.FORCE_REFERENCE_ENV, raising=False)
+    with pytest.raises(ValueError, match="valid choices are"):
+        kernel.get_host_adam("cpp", isa="avx1024")
+    unsupported = [name for name, code in kernel.ISA_CODES.items() if not grace_adam_extension.isa_supported(code)]
+    with pytest.raises(ValueError, match="does not support; supported: .*scalar"):
+        kernel.get_host_adam("cpp", isa=unsupported[0])
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode="fast"), dict(threads=0), dict(threads=1.5)])
+def test_bad_arguments_raise(kwargs):
+    with pytest.raises(ValueError, match="`mode` is|`threads` is"):
+        kernel.get_host_adam(**kwargs)
+
+
+def test_cpp_mode_with_a_failing_build_raises_a_clear_error(failing_compiler):
+    with pytest.raises(kernel.KernelBuildError, match="(?s)failed.*deliberate failure"):
+        kernel.get_host_adam("cpp")
+    with pytest.raises(kernel.KernelBuildError):  # remembered: not rebuilt on every call
+        kernel.get_host_adam("cpp")
+
+
+def test_auto_mode_with_a_failing_build_warns_once_and_uses_the_reference(failing_compiler):
+    with pytest.warns(RuntimeWarning, match="(?s)deliberate failure.*Falling back"):
+        adam = kernel.get_host_adam("auto", threads=2)
+    assert (adam.name, adam.threads) == ("reference", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel.get_host_adam("auto").name == "reference"
+
+
+def test_missing_compiler_error_says_to_install_one(fresh_loader, monkeypatch):
+    monkeypatch.setenv("CXX", str(fresh_loader / "no-such-compiler"))
+    with pytest.raises(kernel.KernelBuildError, match="Install g\\+\\+"):
+        kernel.get_host_adam("cpp")
+
+
+def test_missing_ninja_error_says_to_install_it(fresh_loader, monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    with pytest.raises(kernel.KernelBuildError, match="pip install ninja"):
+        kernel.get_host_adam("cpp")
+
+
+def test_missing_sources_error_says_how_to_install(fresh_loader, monkeypatch):
+    monkeypatch.setattr(kernel, "SOURCE_DIR", fresh_loader / "nowhere")
+    with pytest.raises(kernel.KernelBuildError, match="sources .* are missing"):
+        kernel.get_host_adam("cpp")
+
+
+def test_stale_torch_lock_file_does_not_hang_and_concurrent_loads_agree(grace_adam_extension, tmp_path):
+    # A copy of the built cache with the state a killed build leaves: no completion marker, and
+    # torch's `lock` baton still there (torch alone would wait on it forever).
+    name = f"grace_adam_{kernel.build_key(kernel.SOURCE_DIR)}"
+    built = kernel.cache_root() / name
+    cache = tmp_path / "cache"
+    shutil.copytree(built, cache / name)
+    (cache / name / "build-complete").unlink()
+    (cache / name / "lock").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", **{kernel.CACHE_DIR_ENV: str(cache)})
+    env.pop(kernel.FORCE_REFERENCE_ENV, None)
+    code = "from superoffload_hf import kernel; print(kernel.load_extension().__name__)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err
+        assert out.strip() == name
+    assert (cache / name / "build-complete").is_file()
+    assert not (cache / name / "lock").exists()
