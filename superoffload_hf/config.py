@@ -145,9 +145,9 @@ class SuperOffloadConfig:
             raise ConfigError(f"SuperOffload config file {str(path)!r} does not exist.")
         text = path.read_text()
         if path.suffix in (".yaml", ".yml"):
-            import yaml
+            from superoffload_hf.yaml12 import load_yaml  # YAML 1.2: `speculation: off` is a string
 
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         elif path.suffix == ".json":
             data = json.loads(text)
         else:

@@ -1,0 +1,200 @@
+"""End-to-end training benchmark: a randomly initialised Llama-style model, SuperOffloadAdamW,
+speculation on and off, the same data for both.
+
+    python benchmarks/train_llama.py --out results/          # ~1B Llama on CUDA, bf16
+    python benchmarks/train_llama.py --tiny --out /tmp/r     # a CPU smoke check (seconds)
+
+Clipping is on (--max-grad-norm) but high by default: a randomly initialised model's gradient
+norm stays above 1.0, and the engine would then see after the first bucket of every step that the
+step must be clipped and not speculate at all, so "on" and "off" would time the same thing; a
+high threshold times the steady state of training (clipping checked, rarely triggered). Run with
+--max-grad-norm 1.0 to time the always-clipping regime.
+
+Reports per mode: step time (median of the measured steps), tokens/s, peak device memory, the
+time the training thread waited on the host, and the optimizer's counters; writes results.json
+and results.md to --out. Exits non-zero when a loss is not finite or the two modes' losses
+disagree by more than --loss-rtol (speculation must not change what is learned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke check)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, cpu with --tiny)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6, help="measured steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps (the first one learns the plan)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--speculation", default="on,off", help="comma-separated modes to run")
+    p.add_argument("--device-buckets", default="auto")
+    p.add_argument("--bucket-mb", default="auto")
+    p.add_argument("--cast", default="auto", choices=["auto", "device", "host"])
+    p.add_argument("--rollback", default="inverse", choices=["inverse", "snapshot"])
+    p.add_argument("--max-grad-norm", type=float, default=1e3)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--loss-rtol", type=float, default=2e-2)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 64, 128, 2, 4, 2
+        args.vocab, args.seq, args.batch = 256, 32, 2
+        args.device = args.device or "cpu"
+        args.dtype = "fp32" if args.device == "cpu" and args.dtype == "bf16" else args.dtype
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the model and the host Adam pool share the cores: don't oversubscribe
+    return args
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config)  # fp32: the optimizer keeps these as masters, casts the model
+    return model
+
+
+def batches(args, count: int):
+    g = torch.Generator().manual_seed(1234)
+    for _ in range(count):
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        yield ids.to(args.device)
+
+
+def sync(args) -> None:
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()  # benchmark timing only: measure finished work
+
+
+def run_mode(args, speculation: str) -> dict:
+    from superoffload_hf import SuperOffloadAdamW
+
+    model = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    config = {"device_dtype": args.dtype, "speculation": speculation, "rollback": args.rollback,
+              "cast": args.cast, "device_buckets": _auto_or_int(args.device_buckets),
+              "bucket_size_mb": _auto_or_float(args.bucket_mb)}
+    opt = SuperOffloadAdamW(model.parameters(), lr=args.lr, max_grad_norm=args.max_grad_norm, config=config)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    losses, norms, times, waits = [], [], [], []
+    with opt:
+        for step, ids in enumerate(batches(args, args.warmup + args.steps)):
+            sync(args)
+            start, wait_before = time.perf_counter(), opt.counters.device_wait_seconds
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.scale_loss(loss).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))  # a host sync: after step(), so it does not hide overlap
+            norms.append(opt.last_grad_norm)
+            sync(args)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - start)
+                waits.append(opt.counters.device_wait_seconds - wait_before)
+        result = {
+            "speculation": speculation,
+            "params": n_params,
+            "step_seconds": statistics.median(times),
+            "tokens_per_second": args.batch * args.seq / statistics.median(times),
+            "device_wait_seconds_per_step": statistics.mean(waits),
+            "peak_device_memory_gib": _peak_gib(args),
+            "losses": losses,
+            "grad_norms": norms,  # before clipping: above --max-grad-norm means a clipped step
+            "counters": opt.counters.as_dict(),
+            "buckets": len(opt.plan.buckets),
+            "device_buckets": opt.plan.num_device_buckets,
+            "summary": opt.summary(),
+        }
+    del opt, model
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return result
+
+
+def check(results: list[dict], rtol: float, max_grad_norm: float) -> list[str]:
+    problems = []
+    for r in results:
+        if not all(math.isfinite(x) for x in r["losses"]):
+            problems.append(f"speculation {r['speculation']}: non-finite loss in {r['losses']}")
+        unclipped = any(n <= max_grad_norm for n in r["grad_norms"][1:])
+        if r["speculation"] == "on" and unclipped and r["counters"]["speculative_steps"] == 0:
+            problems.append("speculation on: steps below --max-grad-norm, yet no step was speculative")
+    for r in results[1:]:
+        for step, (a, b) in enumerate(zip(results[0]["losses"], r["losses"])):
+            if abs(a - b) > rtol * abs(b):
+                problems.append(f"step {step}: loss {a} (speculation {results[0]['speculation']}) vs "
+                                f"{b} (speculation {r['speculation']}) differ by more than rtol {rtol}")
+    return problems
+
+
+def markdown(args, results: list[dict]) -> str:
+    head = (f"{results[0]['params'] / 1e9:.2f}B-parameter Llama, {args.layers} layers, hidden {args.hidden}, "
+            f"seq {args.seq} x batch {args.batch}, {args.dtype} on {args.device}")
+    rows = ["| speculation | step (s) | tokens/s | peak device GiB | host wait/step (s) | spec. steps | "
+            "rollbacks | replays | skips | buckets (device) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        c = r["counters"]
+        rows.append(f"| {r['speculation']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:.0f} | "
+                    f"{r['peak_device_memory_gib']:.2f} | {r['device_wait_seconds_per_step']:.3f} | "
+                    f"{c['speculative_steps']} | {c['rollbacks']} | {c['replays']} | {c['skips']} | "
+                    f"{r['buckets']} ({r['device_buckets']}) |")
+    return "\n".join([f"# train_llama: {head}", "", *rows, "", f"`{results[0]['summary']}`", ""])
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = [run_mode(args, mode.strip()) for mode in args.speculation.split(",")]
+    problems = check(results, args.loss_rtol, args.max_grad_norm)
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results,
+                                                  "problems": problems}, indent=2))
+    (out / "results.md").write_text(markdown(args, results) + "".join(f"\nFAIL: {p}" for p in problems))
+    print(markdown(args, results))
+    for problem in problems:
+        print(f"FAIL: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _peak_gib(args) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0.0
+
+
+def _auto_or_int(value: str):
+    return value if value == "auto" else int(value)
+
+
+def _auto_or_float(value: str):
+    return value if value == "auto" else float(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The optimizer's state dict: torch.optim's layout, per parameter, plain CPU fp32 tensors.
+
+    {"state": {i: {"step": int, "exp_avg": T, "exp_avg_sq": T, "master_param": T}},
+     "param_groups": [{..hyperparameters.., "params": [i, ...]}],
+     "superoffload": {"format_version": 1, "loss_scale": {..}, "speculation": {..},
+                      "counters": {..}, "plan": None | {"ready_order", "deferred", "device_buckets"}}}
+
+As in torch.optim, a parameter has an entry only once it has been stepped. Tensors are shaped
+like their parameter, so a checkpoint loads under another bucket size or
+device-bucket count; `torch.load(weights_only=True)` reads it, with any `map_location`.
+Loading copies everything back into the engine's fp32 buffers (host or device) and refreshes the
+device parameters from the masters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+FORMAT_VERSION = 1
+MOMENT_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master_param": "master"}
+
+
+def state_dict(engine, groups: list[dict]) -> dict:
+    engine.synchronize()
+    state = {}
+    for rt in engine.runtimes:
+        for slot in rt.bucket.slots:
+            if engine.param_steps[slot.index] == 0:
+                continue  # as torch.optim: no state before a parameter's first step
+            values = rt.bufs.export_param(slot)
+            state[slot.index] = {"step": int(engine.param_steps[slot.index]),
+                                 **{key: values[name] for key, name in MOMENT_KEYS.items()}}
+    return {
+        "state": dict(sorted(state.items())),
+        "param_groups": _groups_with_indices(groups),
+        "superoffload": {
+            "format_version": FORMAT_VERSION,
+            "loss_scale": engine.loss_scale.state_dict(),
+            "speculation": engine.policy.state_dict(),
+            "counters": engine.counters.as_dict(),
+            "plan": engine.learned,
+        },
+    }
+
+
+def load_state_dict(engine, groups: list[dict], sd: Mapping[str, Any]) -> None:
+    _check_layout(sd, groups)
+    saved_state = {int(index): entry for index, entry in sd["state"].items()}
+    for index, entry in saved_state.items():  # check everything before changing anything
+        if not 0 <= index < len(engine.params):
+            raise ValueError(f"The state dict has state for parameter {index}; this optimizer has "
+                             f"{len(engine.params)} parameters (0..{len(engine.params) - 1}).")
+        _check_entry(entry, index, tuple(engine.params[index].shape))
+    engine.synchronize()
+    if engine.has_pending_gradients():
+        raise RuntimeError("load_state_dict() was called between backward and step(); load a checkpoint "
+                           "before the backward of the step that should use it (or call zero_grad() first).")
+    extra = sd.get("superoffload") or {}
+    if extra.get("plan"):
+        engine.adopt_learned(extra["plan"])
+    for index in range(len(engine.params)):
+        _load_param(engine, index, saved_state.get(index, {}))
+    for group, saved in zip(groups, sd["param_groups"]):
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+    if "loss_scale" in extra:
+        engine.loss_scale.load_state_dict(extra["loss_scale"])
+    if "speculation" in extra:
+        engine.policy.load_state_dict(extra["speculation"])
+    if "counters" in extra:
+        engine.counters.load_dict(extra["counters"])
+    engine.refresh_device_params()
+
+
+def _load_param(engine, index: int, entry: Mapping[str, Any]) -> None:
+    """An empty entry (no state saved: never stepped) resets the moments and the step count
+    and keeps the current master weights; a torch.optim entry has no master either."""
+    rt, k = engine.where[index]
+    slot = rt.bucket.slots[k]
+    zeros = torch.zeros(slot.shape)
+    values = {"master": rt.bufs.export_param(slot)["master"], "exp_avg": zeros, "exp_avg_sq": zeros}
+    values.update({name: entry[key] for key, name in MOMENT_KEYS.items() if key in entry})
+    rt.bufs.import_param(slot, values)
+    engine.param_steps[index] = int(float(entry.get("step", 0)))
+
+
+def _check_entry(entry: Mapping[str, Any], index: int, shape: tuple) -> None:
+    for key in MOMENT_KEYS:
+        if key not in entry:
+            if key == "master_param":
+                continue  # a torch.optim checkpoint: the current master weights are kept
+            raise KeyError(f"The state of parameter {index} has no {key!r}; keys are {sorted(entry)}.")
+        value = entry[key]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise TypeError(f"state[{index}][{key!r}] must be a floating-point tensor, got {type(value).__name__}.")
+        if value.numel() != torch.Size(shape).numel():
+            raise ValueError(f"state[{index}][{key!r}] has shape {tuple(value.shape)}; parameter {index} has "
+                             f"shape {shape}. Is this checkpoint from another model?")
+
+
+def _check_layout(sd: Mapping[str, Any], groups: list[dict]) -> None:
+    if not isinstance(sd, Mapping) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError("Expected an optimizer state dict with keys 'state' and 'param_groups'; got "
+                         f"{sorted(sd) if isinstance(sd, Mapping) else type(sd).__name__}.")
+    saved = sd["param_groups"]
+    if len(saved) != len(groups):
+        raise ValueError(f"The state dict has {len(saved)} param groups; this optimizer has {len(groups)}.")
+    for g, (ours, theirs) in enumerate(zip(groups, saved)):
+        if len(theirs["params"]) != len(ours["params"]):
+            raise ValueError(f"Param group {g} of the state dict has {len(theirs['params'])} parameters; "
+                             f"this optimizer's has {len(ours['params'])}.")
+    version = (sd.get("superoffload") or {}).get("format_version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"State dict format_version {version}; this version of superoffload_hf reads {FORMAT_VERSION}.")
+
+
+def _groups_with_indices(groups: list[dict]) -> list[dict]:
+    out, start = [], 0
+    for group in groups:
+        entry = {k: v for k, v in group.items() if k != "params"}
+        entry["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        out.append(entry)
+    return out

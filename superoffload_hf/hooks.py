@@ -1,0 +1,91 @@
+"""Where the engine hooks into autograd and into module forwards: one small, named place.
+
+* Per parameter, a post-accumulate-grad hook hands the final gradient of this backward to the
+  engine, which moves it into its own fp32 buffers and replaces `p.grad` by a `HeldGrad`
+  placeholder; a tensor pre-hook clears that placeholder before the next backward accumulates.
+* One global module forward pre-hook lets the next forward wait for exactly the buckets that
+  own the parameters of the module about to run (the optimizer is given parameters, not the
+  model, so it cannot register per-module hooks itself). It costs one attribute test per
+  module call while nothing is in flight.
+
+The hooks hold the engine through a weak reference, so they never keep an optimizer alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Sequence
+
+import torch
+
+HELD_GRAD_MESSAGE = (
+    "This parameter's gradient is held by the SuperOffload optimizer (it was moved into the "
+    "optimizer's fp32 buffers during backward), so `p.grad` cannot be read or modified. Do not "
+    "call torch.nn.utils.clip_grad_norm_ (or accelerator.clip_grad_norm_): pass "
+    "`max_grad_norm` to the optimizer instead (it clips with the same semantics), and read the "
+    "norm from `optimizer.last_grad_norm`."
+)
+
+
+class HeldGrad(torch.Tensor):
+    """A storage-less stand-in for a gradient the optimizer holds: any use of it raises."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
+                                                   requires_grad=False)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{HELD_GRAD_MESSAGE} (attempted: {func})")
+
+    def __repr__(self) -> str:
+        return f"HeldGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+
+def _clear_held(param: torch.Tensor) -> Callable:
+    param_ref = weakref.ref(param)
+
+    def pre_accumulate(grad: torch.Tensor) -> None:
+        p = param_ref()
+        if p is not None and isinstance(p.grad, HeldGrad):
+            p.grad = None  # the next backward starts a fresh gradient (ours is in our buffers)
+        return None
+
+    return pre_accumulate
+
+
+def register_param_hooks(params: Sequence[torch.Tensor], engine, handles: list) -> list[torch.Tensor]:
+    """Hook every parameter that requires grad; return those that could not be hooked."""
+    engine_ref = weakref.ref(engine)
+
+    def on_accumulated(p: torch.Tensor) -> None:
+        e = engine_ref()
+        if e is not None:
+            e.on_grad_accumulated(p)
+
+    unhooked = []
+    for p in params:
+        if not p.requires_grad:
+            unhooked.append(p)
+            continue
+        handles.append(p.register_hook(_clear_held(p)))
+        handles.append(p.register_post_accumulate_grad_hook(on_accumulated))
+    return unhooked
+
+
+def register_forward_wait(engine, handles: list) -> None:
+    engine_ref = weakref.ref(engine)
+
+    def before_forward(module: torch.nn.Module, args) -> None:
+        e = engine_ref()
+        if e is not None and e.inflight:
+            e.wait_for_module(module)
+        return None
+
+    handles.append(torch.nn.modules.module.register_module_forward_pre_hook(before_forward))
+
+
+def remove_handles(handles: list) -> None:
+    while handles:
+        handles.pop().remove()

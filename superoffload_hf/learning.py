@@ -1,0 +1,160 @@
+"""The engine's layout decisions: device, dtypes, cast location, bucket size, device buckets,
+and the re-plan after the first step from what the hooks actually did.
+
+Rules (the "auto" choices of SuperOffloadConfig):
+
+* cast "auto": "device" when the device is the CPU; on CUDA, "device" (move fp32, cast on the
+  device) when a page-locked host-to-device copy runs at >= FAST_LINK_GBPS (NVLink-C2C class),
+  else "host" (the kernel writes the low-precision copy; half the bytes cross the link).
+* device_buckets "auto": 0 when the device is the CPU. On CUDA it is chosen after the first
+  step: if the host needed `t_host` seconds of kernel time for all buckets and backward
+  delivered gradients over `t_backward` seconds, a fraction (t_host - t_backward) / t_host of
+  the buckets would still wait for the host when backward ends; that many of the last buckets,
+  plus one (the last bucket's own step), become device-resident, at most half of the buckets
+  (offloading stays the point) and within a quarter of the free device memory (16 bytes per
+  element: fp32 master, moments and gradient).
+* The first step never speculates: it records the order in which gradients arrive and how often
+  each parameter's hook fires. The plan is rebuilt in that order; parameters that fire more or
+  less often than most ("deferred": tied or reused parameters, unused ones) get non-speculative
+  buckets of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from typing import Optional
+
+import torch
+
+from superoffload_hf.buffers import BucketBuffers
+from superoffload_hf.plan import Bucket, BucketPlan, auto_bucket_numel
+from superoffload_hf.transfer import measure_h2d_gbps
+
+logger = logging.getLogger("superoffload_hf")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FAST_LINK_GBPS = 100.0
+DEVICE_MEMORY_FRACTION = 0.25
+DEVICE_BYTES_PER_ELEMENT = 16
+
+
+class FireLog:
+    """What the hooks did during the first step."""
+
+    def __init__(self, num_params: int):
+        self.order: list[int] = []
+        self.counts = [0] * num_params
+        self.first_time: Optional[float] = None
+        self.last_time: Optional[float] = None
+
+    def record(self, index: int) -> None:
+        if self.counts[index] == 0:
+            self.order.append(index)
+        self.counts[index] += 1
+        now = time.perf_counter()
+        self.first_time = now if self.first_time is None else self.first_time
+        self.last_time = now
+
+    def deferred(self) -> list[int]:
+        fired = [c for c in self.counts if c > 0]
+        typical = Counter(fired).most_common(1)[0][0] if fired else 1
+        return [i for i, c in enumerate(self.counts) if c != typical]
+
+    @property
+    def seconds(self) -> float:
+        return (self.last_time - self.first_time) if self.first_time is not None else 0.0
+
+
+class LayoutBuilder:
+    def __init__(self, params: list[torch.Tensor], groups: list[dict], config):
+        self.config = config
+        self.params = params
+        self.device = common_device(params)
+        self.dtype = DTYPES[config.device_dtype]
+        self.shapes = [tuple(p.shape) for p in params]
+        index_of = {p: i for i, p in enumerate(params)}
+        self.group_indices = [[index_of[p] for p in g["params"]] for g in groups]
+        self.group_labels = [_label(g) for g in groups]
+        self.bucket_numel = auto_bucket_numel(config.bucket_size_mb, sum(p.numel() for p in params))
+
+    def plan(self, device_buckets: int, ready_order=None, deferred=()) -> BucketPlan:
+        return BucketPlan.build(self.shapes, self.group_indices, bucket_numel=self.bucket_numel,
+                                device_buckets=device_buckets, ready_order=ready_order,
+                                deferred=deferred, group_labels=self.group_labels)
+
+    def initial_plan(self) -> BucketPlan:
+        n = self.config.device_buckets
+        return self.plan(0 if n == "auto" else n)
+
+    def learned_plan(self, log: FireLog, host_seconds: float) -> BucketPlan:
+        deferred = log.deferred()
+        n = self.config.device_buckets
+        if n == "auto":
+            n = self.auto_device_buckets(self.plan(0, log.order, deferred), log, host_seconds)
+        return self.plan(n, log.order, deferred)
+
+    def auto_device_buckets(self, draft: BucketPlan, log: FireLog, host_seconds: float) -> int:
+        if self.device.type != "cuda" or not draft.buckets:
+            return 0
+        backlog = max(0.0, host_seconds - log.seconds) / host_seconds if host_seconds > 0 else 0.0
+        wanted = min(len(draft.buckets) // 2, math.ceil(len(draft.buckets) * backlog) + 1)
+        free_bytes, _ = torch.cuda.mem_get_info(self.device)
+        affordable = int(free_bytes * DEVICE_MEMORY_FRACTION) // (DEVICE_BYTES_PER_ELEMENT * self.bucket_numel)
+        chosen = max(0, min(wanted, affordable))
+        logger.info("SuperOffload device_buckets auto: host %.3fs vs backward %.3fs over %d buckets -> %d "
+                    "device-resident (memory allows %d)", host_seconds, log.seconds, len(draft.buckets),
+                    chosen, affordable)
+        return chosen
+
+    # ---- dtypes and buffers ---------------------------------------------------------------
+
+    def resolve_cast(self, transfer) -> str:
+        if self.config.cast != "auto":
+            return self.config.cast
+        if not transfer.is_async:
+            return "device"
+        gbps = measure_h2d_gbps(self.device)
+        cast = "device" if gbps >= FAST_LINK_GBPS else "host"
+        logger.info("SuperOffload cast auto: host-to-device %.1f GB/s -> cast on the %s", gbps, cast)
+        return cast
+
+    def link_dtype(self, cast: str) -> torch.dtype:
+        """The dtype in which gradients cross to the host."""
+        return torch.float32 if cast == "device" else self.dtype
+
+    def lowp_dtype(self, cast: str) -> Optional[torch.dtype]:
+        """The dtype of the host-side low-precision copy the kernel writes, if any."""
+        return self.dtype if cast == "host" and self.dtype != torch.float32 else None
+
+    def allocate(self, bucket: Bucket, transfer, cast: str) -> BucketBuffers:
+        if bucket.device_resident:
+            return BucketBuffers(bucket, lambda n, dtype: torch.empty(n, dtype=dtype, device=self.device))
+        return BucketBuffers(bucket, transfer.host_empty, self.lowp_dtype(cast))
+
+    def cast_params_in_place(self) -> None:
+        for p in self.params:
+            if p.dtype != self.dtype:
+                p.data = p.data.to(self.dtype)
+
+
+def common_device(params: list[torch.Tensor]) -> torch.device:
+    if not params:
+        raise ValueError("The optimizer got an empty parameter list; pass the model's parameters.")
+    device = params[0].device
+    for p in params:
+        if p.device != device:
+            raise ValueError(
+                f"Parameters are on two devices, {device} and {p.device}; SuperOffload needs every "
+                "parameter on one device. Move the model with `model.to(device)` before building the optimizer."
+            )
+        if not p.is_floating_point():
+            raise TypeError(f"A parameter has dtype {p.dtype}; SuperOffload optimizes floating-point parameters only.")
+    return device
+
+
+def _label(group: dict) -> str:
+    return (f"lr={group['lr']:g} betas={tuple(group['betas'])} eps={group['eps']:g} "
+            f"weight_decay={group['weight_decay']:g} ({len(group['params'])} params)")

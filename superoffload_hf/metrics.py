@@ -1,0 +1,45 @@
+"""OffloadCounters: what the engine did, for logs and benchmarks.
+
+Step counts are per optimizer step (`step()` call); a step in which several buckets rolled
+back counts once in `rollbacks`. Each field is written by one thread only (the training thread
+or the host worker), so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class OffloadCounters:
+    steps: int = 0
+    """Optimizer steps applied (skipped steps are not counted; they count in `skips`)."""
+    speculative_steps: int = 0
+    """Steps in which at least one bucket was stepped speculatively during backward."""
+    rollbacks: int = 0
+    """Speculative steps in which at least one bucket had to be rolled back (clipping, a
+    non-finite gradient, hyperparameters changed between backward and step(), or a gradient
+    that arrived after its bucket was launched)."""
+    replays: int = 0
+    """Steps in which at least one rolled-back bucket was stepped again (e.g. clipped)."""
+    skips: int = 0
+    """Steps skipped because the gradients were not finite."""
+    host_step_seconds: float = 0.0
+    """Wall time the host worker spent in the host Adam kernel (steps, rollbacks, norms)."""
+    bytes_d2h: int = 0
+    """Gradient bytes moved from the device to the host."""
+    bytes_h2d: int = 0
+    """Parameter bytes moved from the host to the device."""
+    device_wait_seconds: float = 0.0
+    """Wall time the training thread was blocked waiting for host work (bucket norms at
+    step(), updated buckets before a forward, a busy bucket's buffers). On CUDA this is
+    the time the device could not be fed new work because of the host."""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_dict(self, values: dict) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in values:
+                setattr(self, f.name, type(f.default)(values[f.name]))

@@ -1,0 +1,177 @@
+"""SuperOffloadAdamW / SuperOffloadAdam: the torch.optim.Optimizer facade over the engine.
+
+    opt = SuperOffloadAdamW(model.parameters(), lr=1e-4, max_grad_norm=1.0,
+                            config={"device_dtype": "bf16"})
+    for batch in data:
+        loss = model(**batch).loss
+        loss.backward()        # gradients leave for the host as each bucket completes
+        opt.step()             # validate (global norm), commit / clip / skip
+        opt.zero_grad()
+
+Clipping is the optimizer's job: pass `max_grad_norm` (settable at any time) and do not call
+`torch.nn.utils.clip_grad_norm_`; after backward the gradients live in the optimizer and
+touching `p.grad` raises a RuntimeError saying so. Read the norm from `last_grad_norm` and
+whether the step was skipped (non-finite gradients) from `last_step_skipped`.
+
+After step() the parameters hold the new weights (on the CPU device at once; on CUDA in stream
+order: the next forward waits for exactly the buckets it reads, and `synchronize()` or any
+state-exposing method waits for all). `zero_grad(set_to_none=False)` behaves like
+`set_to_none=True` for managed parameters: their gradients are held by the optimizer, so there
+is no gradient tensor to fill with zeros.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+from superoffload_hf import checkpoint
+from superoffload_hf.config import SuperOffloadConfig
+from superoffload_hf.engine import Engine
+from superoffload_hf.metrics import OffloadCounters
+from superoffload_hf.plan import BucketPlan
+
+ConfigLike = Union[SuperOffloadConfig, Mapping[str, Any], str, None]
+
+
+class _SuperOffloadOptimizer(torch.optim.Optimizer):
+    _adamw: bool = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None,
+                 config: ConfigLike = None):
+        _check_hyper(lr, betas, eps, weight_decay)
+        self._constructing = True
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._constructing = False
+        for group in self.param_groups:
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            group["betas"] = tuple(group["betas"])
+        self.config = SuperOffloadConfig.coerce(config)
+        self.max_grad_norm = max_grad_norm
+        self.counters = OffloadCounters()
+        self.last_grad_norm: Optional[float] = None
+        self.last_step_skipped = False
+        self._engine = Engine(self.param_groups, self._adamw, self.config, self.counters)
+        self._engine.max_grad_norm = self._max_grad_norm
+        self._finalizer = weakref.finalize(self, self._engine.close)
+
+    # ---- torch.optim.Optimizer ------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not getattr(self, "_constructing", False):
+            raise NotImplementedError(
+                "SuperOffload optimizers plan their buffers at construction; add_param_group() after "
+                "that is not supported. Pass every param group to the constructor."
+            )
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        decision = self._engine.step(self.max_grad_norm)
+        self.last_grad_norm = decision.grad_norm
+        self.last_step_skipped = decision.kind == "skip"
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Release the gradients (see the module docstring for set_to_none=False). Called
+        between backward and step(), it discards the accumulated gradients, as in torch."""
+        self._engine.discard_gradients()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def state_dict(self) -> dict:
+        return checkpoint.state_dict(self._engine, self.param_groups)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        checkpoint.load_state_dict(self._engine, self.param_groups, state_dict)
+
+    # ---- SuperOffload ---------------------------------------------------------------------
+
+    @property
+    def max_grad_norm(self) -> Optional[float]:
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: Optional[float]) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0 or math.isnan(value)):
+            raise ValueError(f"`max_grad_norm` is {value!r}; expected None (no clipping) or a number > 0.")
+        self._max_grad_norm = None if value is None else float(value)
+        if hasattr(self, "_engine"):
+            self._engine.max_grad_norm = self._max_grad_norm  # read during backward
+
+    @property
+    def plan(self) -> BucketPlan:
+        return self._engine.plan
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self._engine.loss_scale.scale)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """fp16: the loss times the dynamic loss scale (call backward on this); else the loss."""
+        scale = self._engine.loss_scale.scale
+        return loss if scale == 1.0 else loss * scale
+
+    def set_gradient_sync_source(self, fn: Optional[Callable[[], bool]]) -> None:
+        """fn() is True while the backward of the last micro-batch of a step runs (Accelerate's
+        `sync_gradients`); None: count `gradient_accumulation_steps` micro-batches."""
+        if fn is not None and not callable(fn):
+            raise TypeError(f"`fn` must be callable or None, got {type(fn).__name__}.")
+        self._engine.sync_source = fn
+
+    def summary(self) -> str:
+        """One line: buckets, device buckets, cast, speculation, host back end/ISA/threads."""
+        return self._engine.summary()
+
+    def synchronize(self) -> None:
+        """Wait until every host update has reached the device parameters."""
+        self._engine.synchronize()
+
+    def close(self) -> None:
+        """Stop the host worker and remove the hooks (also done on garbage collection)."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SuperOffloadAdamW(_SuperOffloadOptimizer):
+    """AdamW (decoupled weight decay, torch.optim.AdamW's math) with offloaded state."""
+
+    _adamw = True
+
+
+class SuperOffloadAdam(_SuperOffloadOptimizer):
+    """Adam with L2 weight decay (torch.optim.Adam's math) with offloaded state."""
+
+    _adamw = False
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, max_grad_norm: Optional[float] = None,
+                 config: ConfigLike = None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         max_grad_norm=max_grad_norm, config=config)
+
+
+def _check_hyper(lr, betas, eps, weight_decay) -> None:
+    if not float(lr) >= 0.0:
+        raise ValueError(f"`lr` is {lr!r}; expected a number >= 0.")
+    if len(tuple(betas)) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ValueError(f"`betas` is {betas!r}; expected two numbers in [0, 1).")
+    if not float(eps) >= 0.0:
+        raise ValueError(f"`eps` is {eps!r}; expected a number >= 0.")
+    if not float(weight_decay) >= 0.0:
+        raise ValueError(f"`weight_decay` is {weight_decay!r}; expected a number >= 0.")

@@ -1,0 +1,103 @@
+"""The host worker: one Python thread that runs bucket jobs (the host Adam kernel releases the
+GIL, so it overlaps the training thread's backward).
+
+An exception in a job is captured; every later call from the training thread (`submit`,
+`wait`, `raise_if_failed`) re-raises it, and the worker drops the remaining jobs, so a failure
+surfaces as an exception in the training loop instead of a hang. The thread holds no reference
+to the engine; `stop()` (called by close() and by a weakref.finalize) ends it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+POLL_SECONDS = 0.05
+
+
+class Pending:
+    """Count of one bucket's queued jobs; `idle` is set when none is left."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = 0
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def add(self) -> None:
+        with self._lock:
+            self._count += 1
+            self.idle.clear()
+
+    def done(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count == 0:
+                self.idle.set()
+
+
+class _Failure:
+    error: Optional[BaseException] = None
+
+
+def _run(jobs: "queue.SimpleQueue", failure: _Failure) -> None:
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        fn, pending = item
+        try:
+            if failure.error is None:
+                fn()
+        except BaseException as error:  # surfaced in the training thread
+            failure.error = error
+        finally:
+            pending.done()
+
+
+class HostWorker:
+    def __init__(self, name: str = "superoffload-host"):
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._failure = _Failure()
+        self._thread = threading.Thread(target=_run, args=(self._jobs, self._failure), name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        return self._failure.error
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, fn: Callable[[], None], pending: Pending) -> None:
+        self.raise_if_failed()
+        if not self.alive:
+            raise RuntimeError("The SuperOffload host worker is stopped (the optimizer was closed); build a new optimizer.")
+        pending.add()
+        self._jobs.put((fn, pending))
+
+    def wait(self, event: threading.Event) -> float:
+        """Block until `event` is set (or the worker failed: raise). Returns seconds waited."""
+        start = time.perf_counter()
+        while not event.wait(POLL_SECONDS):
+            self.raise_if_failed()
+        self.raise_if_failed()
+        return time.perf_counter() - start
+
+    def raise_if_failed(self) -> None:
+        error = self._failure.error
+        if error is not None:
+            raise RuntimeError(
+                f"The SuperOffload host worker failed: {type(error).__name__}: {error}. The "
+                "optimizer state may be inconsistent; build a new optimizer (e.g. from the last "
+                "checkpoint)."
+            ) from error
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            if threading.current_thread() is not self._thread:  # a finalizer may run on it
+                self._thread.join(timeout)
