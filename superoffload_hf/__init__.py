@@ -1,6 +1,27 @@
 """superoffload_hf: SuperOffload (ASPLOS 2026) as a Hugging Face training backend."""
 
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
+from superoffload_hf.metrics import OffloadCounters
+from superoffload_hf.optimizer import SuperOffloadAdam, SuperOffloadAdamW
+from superoffload_hf.plan import BucketPlan
 
-__all__ = ["ConfigError", "SuperOffloadConfig"]
+__all__ = ["BucketPlan", "ConfigError", "OffloadCounters", "SuperOffloadAdam", "SuperOffloadAdamW",
+           "SuperOffloadConfig"]
 __version__ = "0.1.0"
+
+# The Hugging Face integrations, imported on first use: importing the core (above) must not
+# import transformers or accelerate. `from superoffload_hf import TrainingArguments, Trainer`.
+_INTEGRATIONS = {
+    "TrainingArguments": "superoffload_hf.integrations.trainer",
+    "Trainer": "superoffload_hf.integrations.trainer",
+    "SuperOffloadCallback": "superoffload_hf.integrations.callback",
+    "SuperOffloadPlugin": "superoffload_hf.integrations.accelerate",
+}
+
+
+def __getattr__(name: str):
+    if name not in _INTEGRATIONS:
+        raise AttributeError(f"module 'superoffload_hf' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_INTEGRATIONS[name]), name)

@@ -1,0 +1,281 @@
+"""The `superoffload` command.
+
+    superoffload train RECIPE.yaml [--dry-run] [--section.key value | --section.key=value ...]
+    superoffload launch [accelerate launch arguments ...]
+
+`train` runs a recipe (see superoffload_hf/recipe.py) with our Trainer: it prints what it
+built, shows the Trainer's progress bar, saves safetensors checkpoints in training.output_dir,
+resumes with `--training.resume_from_checkpoint true`, and ends with a summary. `--dry-run`
+validates the recipe and prints it resolved, without loading a model or data. `launch` is
+`accelerate launch` with a superoffload config (superoffload_hf.integrations.launcher).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from superoffload_hf.config import ConfigError
+from superoffload_hf.recipe import Recipe, RecipeError, load_recipe
+
+USAGE = """usage: superoffload train RECIPE.yaml [--dry-run] [--section.key value ...]
+       superoffload launch [accelerate launch arguments ...]
+
+commands:
+  train    train the model a recipe describes; command-line keys override the YAML,
+           e.g. `superoffload train recipes/tiny_llama_cpu.yaml --training.max_steps 20`
+  launch   `accelerate launch` with a `superoffload:` block in the accelerate config
+"""
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return train_command(rest)
+    if command == "launch":
+        from superoffload_hf.integrations.launcher import main as launch_main
+
+        return launch_main(rest)
+    print(f"superoffload: unknown command {command!r}; expected `train` or `launch`.\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+def train_command(argv: Sequence[str]) -> int:
+    """`superoffload train RECIPE.yaml [--dry-run] [overrides]`: 0 on success, 2 on a bad recipe."""
+    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
+        print(USAGE, file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    dry_run = "--dry-run" in argv[1:]
+    overrides = [token for token in argv[1:] if token != "--dry-run"]
+    try:
+        recipe = load_recipe(argv[0], overrides)
+        if dry_run:
+            print(_dump_yaml(recipe.to_dict()), end="")
+            return 0
+        summary = train(recipe)
+    except (RecipeError, ConfigError) as exc:
+        print(f"superoffload train: error: {exc}", file=sys.stderr)
+        return 2
+    print(summary.format())
+    return 0
+
+
+def _dump_yaml(values: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(values, sort_keys=False, default_flow_style=False)
+
+
+# ---- building the pieces ----------------------------------------------------------------------
+
+
+def build_tokenizer(recipe: Recipe) -> Any:
+    from superoffload_hf.tokenizer import pretrained_tokenizer, shipped_tokenizer
+
+    if recipe.tokenizer.shipped:
+        return shipped_tokenizer(recipe.tokenizer.vocab_size)
+    return pretrained_tokenizer(recipe.tokenizer_name_or_path)
+
+
+def build_model(recipe: Recipe, tokenizer: Any) -> Any:
+    """A causal LM: random init from `model.config` (vocab and special ids taken from the
+    tokenizer unless set), or `from_pretrained(model.name_or_path)`; in recipe.model_dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, recipe.model_dtype)
+    extra = {"attn_implementation": recipe.model.attn_implementation} if recipe.model.attn_implementation else {}
+    if recipe.model.config is not None:
+        model = AutoModelForCausalLM.from_config(_model_config(recipe, tokenizer), dtype=dtype, **extra)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, dtype=dtype, **extra)
+    _check_vocab(model.config.vocab_size, len(tokenizer), "the model's vocab_size")
+    model.config.use_cache = False  # training: the KV cache only costs memory
+    return model
+
+
+def _model_config(recipe: Recipe, tokenizer: Any) -> Any:
+    from transformers import AutoConfig
+
+    values = dict(recipe.model.config)
+    model_type = values.pop("model_type", "llama")
+    values.setdefault("vocab_size", len(tokenizer))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        values.setdefault(name, getattr(tokenizer, name))
+    _check_vocab(values["vocab_size"], len(tokenizer), "`model.config.vocab_size`")
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _check_vocab(vocab_size: int, tokenizer_size: int, what: str) -> None:
+    if vocab_size < tokenizer_size:
+        raise RecipeError(
+            f"{what} is {vocab_size} but the tokenizer has {tokenizer_size} tokens; raise it to at "
+            f"least {tokenizer_size} (or drop it from model.config to take the tokenizer's size)."
+        )
+
+
+def build_training_arguments(recipe: Recipe) -> Any:
+    from superoffload_hf import TrainingArguments
+
+    values = {k: v for k, v in recipe.training.items() if k != "resume_from_checkpoint"}
+    try:
+        return TrainingArguments(
+            **values, superoffload=recipe.superoffload is not None, superoffload_config=recipe.superoffload
+        )
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise RecipeError(f"{recipe.source}: `training` was rejected by TrainingArguments: {exc}") from exc
+
+
+# ---- running ----------------------------------------------------------------------------------
+
+
+def train(recipe: Recipe) -> "TrainSummary":
+    """Build tokenizer, model, data and Trainer from `recipe`, train, and summarize."""
+    from transformers import default_data_collator, set_seed
+
+    from superoffload_hf import Trainer
+    from superoffload_hf.data import build_dataset
+
+    args = build_training_arguments(recipe)
+    set_seed(args.seed)  # before the model is built: a random init is reproducible
+    tokenizer = build_tokenizer(recipe)
+    model = build_model(recipe, tokenizer)
+    dataset = build_dataset(recipe.data, tokenizer)
+    _print_plan(recipe, model, tokenizer, dataset)
+    recorder = _RunRecorder()
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
+        processing_class=tokenizer, callbacks=[recorder.callback()],
+    )
+    output = trainer.train(resume_from_checkpoint=recipe.training.get("resume_from_checkpoint") or None)
+    checkpoint = _final_checkpoint(trainer, args)
+    return _summarize(recipe, args, trainer, output, recorder, checkpoint)
+
+
+def _final_checkpoint(trainer: Any, args: Any) -> str:
+    """The last checkpoint-N in output_dir; without step checkpoints, save the model there."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+    if last is not None and last.endswith(f"checkpoint-{trainer.state.global_step}"):
+        return last
+    trainer.save_model(args.output_dir)
+    return str(args.output_dir)
+
+
+def _print_plan(recipe: Recipe, model: Any, tokenizer: Any, dataset: Any) -> None:
+    params = sum(p.numel() for p in model.parameters())
+    source = recipe.model.name_or_path or "random init from model.config"
+    print(f"superoffload train: {recipe.source}")
+    print(f"  model      {model.config.model_type}, {params / 1e6:.2f}M parameters, {recipe.model_dtype}, {source}")
+    print(f"  tokenizer  {type(tokenizer).__name__}, {len(tokenizer)} tokens "
+          f"({'shipped byte-level BPE' if recipe.tokenizer.shipped else recipe.tokenizer_name_or_path})")
+    print(f"  data       {dataset.num_tokens:,} tokens in {len(dataset)} blocks of {recipe.data.seq_len}")
+    optimizer = f"SuperOffloadAdamW {recipe.superoffload}" if recipe.superoffload is not None else "stock (superoffload: false)"
+    print(f"  optimizer  {optimizer}")
+    print(f"  output     {recipe.training['output_dir']}", flush=True)
+
+
+class _RunRecorder:
+    """Remembers the step a run started at (after a resume) and the losses it logged."""
+
+    def __init__(self) -> None:
+        self.start_step = 0
+        self.losses: list[tuple[int, float]] = []
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        recorder = self
+
+        class _Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                recorder.start_step = state.global_step  # already the checkpoint's step on resume
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    recorder.losses.append((state.global_step, float(logs["loss"])))
+
+        return _Callback()
+
+
+# ---- the summary ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    steps: int
+    """Optimizer steps taken by this run (after a resume: since the checkpoint)."""
+    global_step: int
+    tokens: int
+    seconds: float
+    first_loss: Optional[tuple[int, float]]
+    final_loss: Optional[tuple[int, float]]
+    rollbacks: Optional[int]
+    skipped_steps: Optional[int]
+    checkpoint: str
+    resumed_from_step: Optional[int]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def format(self) -> str:
+        lines = ["", "superoffload train: done"]
+        if self.resumed_from_step is not None:
+            lines.append(f"  resumed from   step {self.resumed_from_step}")
+        lines += [
+            f"  steps          {self.steps} (global step {self.global_step}), {self.tokens:,} tokens in {self.seconds:.1f} s",
+            f"  tokens/s       {self.tokens_per_second:,.0f}",
+            f"  final loss     {_format_loss(self.final_loss)} (first logged {_format_loss(self.first_loss)})",
+            f"  rollbacks      {_or_na(self.rollbacks)}",
+            f"  skipped steps  {_or_na(self.skipped_steps)}",
+            f"  checkpoint     {self.checkpoint}",
+        ]
+        return "\n".join(lines)
+
+
+def _format_loss(entry: Optional[tuple[int, float]]) -> str:
+    return "n/a" if entry is None else f"{entry[1]:.4f} at step {entry[0]}"
+
+
+def _or_na(value: Optional[int]) -> str:
+    return "n/a (stock optimizer)" if value is None else str(value)
+
+
+def _summarize(recipe: Recipe, args: Any, trainer: Any, output: Any, recorder: _RunRecorder, checkpoint: str) -> TrainSummary:
+    steps = trainer.state.global_step - recorder.start_step
+    sequences_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    counters = optimizer_counters(trainer)
+    return TrainSummary(
+        steps=steps,
+        global_step=trainer.state.global_step,
+        tokens=steps * sequences_per_step * recipe.data.seq_len,
+        seconds=float(output.metrics.get("train_runtime", 0.0)),
+        first_loss=recorder.losses[0] if recorder.losses else None,
+        final_loss=recorder.losses[-1] if recorder.losses else None,
+        rollbacks=None if counters is None else counters.rollbacks,
+        skipped_steps=None if counters is None else counters.skips,
+        checkpoint=checkpoint,
+        resumed_from_step=recorder.start_step if recorder.start_step else None,
+    )
+
+
+def optimizer_counters(trainer: Any) -> Any:
+    """The SuperOffload optimizer's OffloadCounters, or None for a stock optimizer.
+    Accelerate wraps the optimizer in an AcceleratedOptimizer that keeps it as `.optimizer`."""
+    optimizer = trainer.optimizer
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    return getattr(optimizer, "counters", None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""SuperOffloadCallback: the Trainer-side hooks that a TrainerCallback can carry.
+
+- grad norm: the Trainer reads the gradient norm before `optimizer.step()`, but the SuperOffload
+  optimizer computes it inside `step()`. The Trainer's `_get_grad_norm` (see trainer.py) returns
+  a placeholder tensor from `grad_norm_placeholder()`; `on_optimizer_step` fills it with
+  `optimizer.last_grad_norm`, and the Trainer's own logging reads it with `.item()` afterwards.
+- counters: `on_log` adds the engine's counters to every training log record (the `logs` that
+  later callbacks such as reporters see, and the record just appended to `state.log_history`).
+- weights read outside a forward: on CUDA the updated weights reach the parameters in stream
+  order, and only a forward waits for them. Before the Trainer saves a checkpoint, and when
+  training ends, the callback makes later device work wait for every copy-back.
+
+It must sit after DefaultFlowCallback (which decides `should_save`) and before the reporters
+and printers (which read the logs); `SuperOffloadHooks` inserts it there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from transformers import TrainerCallback
+
+LOG_PREFIX = "superoffload/"
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The SuperOffload optimizer inside Accelerate's (or anyone's) `.optimizer` wrappers."""
+    while optimizer is not None and not hasattr(optimizer, "counters"):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+class SuperOffloadCallback(TrainerCallback):
+    """Reports the SuperOffload optimizer's grad norm and counters through the Trainer's logs.
+
+    Logged keys (training log records only), with N the `step()` calls since the last log:
+    `superoffload/rollbacks`, `/replays`, `/skips`, `/speculative_steps`: totals since the start;
+    `superoffload/host_step_s`: host Adam seconds per step, mean over the last N steps;
+    `superoffload/device_wait_s`: seconds per step the device waited for the host, same mean;
+    `superoffload/overlap`: 1 - device_wait / host_step over the last N steps, clamped to [0, 1]
+    (1.0: the host steps were fully hidden behind backward; absent while host_step is 0);
+    `superoffload/loss_scale`: the fp16 loss scale (fp16 only).
+    """
+
+    def __init__(self) -> None:
+        self._grad_norm: Optional[torch.Tensor] = None
+        self._counters_at_last_log: dict[str, float] = {}
+
+    # ---- grad norm ---------------------------------------------------------------------------
+
+    def grad_norm_placeholder(self) -> torch.Tensor:
+        """A 0-d tensor the Trainer logs as `grad_norm`; filled after the optimizer step."""
+        self._grad_norm = torch.tensor(float("nan"), dtype=torch.float64)
+        return self._grad_norm
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        optimizer = unwrap_optimizer(optimizer)
+        if self._grad_norm is not None and optimizer is not None:
+            norm = optimizer.last_grad_norm
+            self._grad_norm.fill_(float("nan") if norm is None else float(norm))
+            self._grad_norm = None
+
+    # ---- weights read outside a forward ------------------------------------------------------
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if control.should_save:
+            _synchronize(optimizer)
+
+    def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
+        if control.should_save:
+            _synchronize(optimizer)
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        _synchronize(optimizer)
+
+    # ---- counters ----------------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        optimizer = unwrap_optimizer(optimizer)
+        if optimizer is not None:
+            self._counters_at_last_log = optimizer.counters.as_dict()
+
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        optimizer = unwrap_optimizer(optimizer)
+        if optimizer is None or logs is None or "loss" not in logs:
+            return  # evaluation and end-of-training records carry no step counters
+        values = self.log_values(optimizer)
+        record = state.log_history[-1] if state.log_history else {}
+        # Trainer.log appends {**logs, "step": global_step} to log_history just before on_log.
+        if record.get("step") == state.global_step and record.get("loss") == logs["loss"]:
+            record.update(values)
+        logs.update(values)
+
+    def log_values(self, optimizer: Any) -> dict[str, float]:
+        now = optimizer.counters.as_dict()
+        last, self._counters_at_last_log = self._counters_at_last_log, now
+        calls = now["steps"] + now["skips"] - last.get("steps", 0) - last.get("skips", 0)
+        steps = max(calls, 1)
+        host_s = (now["host_step_seconds"] - last.get("host_step_seconds", 0.0)) / steps
+        wait_s = (now["device_wait_seconds"] - last.get("device_wait_seconds", 0.0)) / steps
+        values = {LOG_PREFIX + name: now[name] for name in ("rollbacks", "replays", "skips", "speculative_steps")}
+        values[LOG_PREFIX + "host_step_s"] = host_s
+        values[LOG_PREFIX + "device_wait_s"] = wait_s
+        if host_s > 0.0:
+            values[LOG_PREFIX + "overlap"] = min(max(1.0 - wait_s / host_s, 0.0), 1.0)
+        if float(optimizer.loss_scale) != 1.0:
+            values[LOG_PREFIX + "loss_scale"] = float(optimizer.loss_scale)
+        return values
+
+
+def _synchronize(optimizer: Any) -> None:
+    optimizer = unwrap_optimizer(optimizer)
+    if optimizer is not None:
+        # The checkpoint's model weights are read on the current stream: order it after every
+        # host-to-device copy of updated weights.
+        optimizer.synchronize()

@@ -1,0 +1,181 @@
+"""`superoffload launch`: `accelerate launch` with a `superoffload:` block in the accelerate config.
+
+    superoffload launch --config_file recipes/accelerate/superoffload.yaml train.py --bf16 ...
+
+Takes exactly the arguments of `accelerate launch`. Accelerate rejects unknown top-level keys in
+its config, so the launcher:
+
+1. reads the accelerate config (`--config_file`, or Accelerate's default config) and pops the
+   `superoffload:` block; validates it as SuperOffloadConfig fields (unknown keys fail here);
+2. refuses DeepSpeed / FSDP / Megatron-LM configs, fp8, and more than one process (superoffload
+   does not support data parallelism yet);
+3. writes the stripped config to a temporary file and runs
+   `python -m accelerate.commands.launch --config_file <stripped> <the other arguments>` with
+   `SUPEROFFLOAD_CONFIG_JSON` (the block) set and `launch_site/` first on PYTHONPATH, so that
+   the script's stock `transformers.Trainer` trains with superoffload (see autopatch.py);
+4. returns accelerate's exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from superoffload_hf.integrations.autopatch import CONFIG_ENV_VAR
+
+SITE_DIR = Path(__file__).resolve().parent / "launch_site"
+CONFIG_FLAGS = ("--config_file", "--config-file")
+REFUSED_DISTRIBUTED_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
+REFUSED_FLAGS = {"use_deepspeed": "DeepSpeed", "use_fsdp": "FSDP", "use_megatron_lm": "Megatron-LM"}
+
+
+class LaunchError(ValueError):
+    """The launch arguments or the accelerate config cannot be used with superoffload."""
+
+
+@dataclass
+class LaunchPlan:
+    accelerate_args: list[str]       # launcher arguments, minus --config_file
+    script_args: list[str]           # the training script and its own arguments
+    accelerate_config: Optional[dict[str, Any]]  # the config without its superoffload block
+    config_suffix: str               # ".yaml" or ".json", as the original config file
+    superoffload: dict[str, Any]     # the superoffload block (SuperOffloadConfig fields)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[0].strip() + "\n\nThe arguments of `accelerate launch`:\n")
+    try:
+        plan = plan_launch(argv)
+    except LaunchError as error:
+        print(f"superoffload launch: error: {error}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="superoffload_launch_") as tmp:
+        command = accelerate_command(plan, tmp)
+        return subprocess.run(command, env=launch_environment(os.environ, plan.superoffload)).returncode
+
+
+def plan_launch(argv: list[str]) -> LaunchPlan:
+    """Split `argv` as `accelerate launch` would, and strip the superoffload block."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parsed = launch_command_parser().parse_args(argv)  # --help and bad arguments exit here
+    script_at = len(argv) - len(parsed.training_script_args) - 1
+    if argv[script_at] != parsed.training_script:
+        raise LaunchError(f"cannot find the training script {parsed.training_script!r} in {argv}.")
+    accelerate_args = _without_config_flag(argv[:script_at])
+    config_path = _config_path(parsed)
+    config = _read_config(config_path) if config_path is not None else None
+    block = _pop_block(config, config_path)
+    _check_combination(parsed, config, block)
+    suffix = Path(config_path).suffix if config_path is not None else ".yaml"
+    return LaunchPlan(accelerate_args, argv[script_at:], config, suffix, block)
+
+
+def accelerate_command(plan: LaunchPlan, tmp_dir: str) -> list[str]:
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if plan.accelerate_config is not None:
+        stripped = Path(tmp_dir) / f"accelerate_config{plan.config_suffix}"
+        _write_config(plan.accelerate_config, stripped)
+        command += ["--config_file", str(stripped)]
+    return command + plan.accelerate_args + plan.script_args
+
+
+def launch_environment(environ: dict[str, str], block: dict[str, Any]) -> dict[str, str]:
+    env = dict(environ)
+    env[CONFIG_ENV_VAR] = json.dumps(block)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), environ.get("PYTHONPATH")) if p)
+    return env
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _without_config_flag(args: list[str]) -> list[str]:
+    kept, skip_next = [], False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+        elif arg in CONFIG_FLAGS:
+            skip_next = True
+        elif not arg.startswith(tuple(flag + "=" for flag in CONFIG_FLAGS)):
+            kept.append(arg)
+    return kept
+
+
+def _config_path(parsed: Any) -> Optional[str]:
+    """The config accelerate launch would read: --config_file, else its default config file."""
+    if parsed.config_file is not None:
+        return parsed.config_file
+    from accelerate.commands.config import default_config_file
+
+    return default_config_file if os.path.isfile(default_config_file) and not parsed.cpu else None
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    import yaml
+
+    from superoffload_hf.yaml12 import load_yaml
+
+    if not os.path.isfile(path):
+        raise LaunchError(f"accelerate config file {path!r} does not exist.")
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}  # YAML is a superset of JSON; Accelerate reads it this way
+    if not isinstance(data, dict):
+        raise LaunchError(f"accelerate config file {path!r} must hold a mapping, got {type(data).__name__}.")
+    if "superoffload" in data:  # our block with YAML 1.2 scalars: `speculation: off` is a string
+        data["superoffload"] = load_yaml(text).get("superoffload")
+    return data
+
+
+def _write_config(config: dict[str, Any], path: Path) -> None:
+    import yaml
+
+    text = json.dumps(config, indent=2) if path.suffix == ".json" else yaml.safe_dump(config, sort_keys=False)
+    path.write_text(text)
+
+
+def _pop_block(config: Optional[dict[str, Any]], path: Optional[str]) -> dict[str, Any]:
+    block = config.pop("superoffload", None) if config is not None else None
+    if block is None:
+        return {}  # no block: SuperOffloadConfig defaults
+    if not isinstance(block, dict):
+        raise LaunchError(
+            f"The `superoffload:` block in {path!r} must be a mapping of SuperOffloadConfig fields, "
+            f"got {type(block).__name__}."
+        )
+    return block
+
+
+def _check_combination(parsed: Any, config: Optional[dict[str, Any]], block: dict[str, Any]) -> None:
+    from superoffload_hf.config import ConfigError
+    from superoffload_hf.integrations.accelerate import SuperOffloadPlugin, check_single_process
+
+    distributed = str((config or {}).get("distributed_type", "NO")).upper()
+    refused = [name for flag, name in REFUSED_FLAGS.items() if getattr(parsed, flag, False)]
+    refused += [distributed] if distributed in REFUSED_DISTRIBUTED_TYPES else []
+    if refused:
+        raise LaunchError(
+            f"superoffload cannot be combined with {refused[0]}: both own the optimizer state. Use a "
+            "config with distributed_type NO, or launch with `accelerate launch` without superoffload."
+        )
+    mixed_precision = parsed.mixed_precision or (config or {}).get("mixed_precision") or "no"
+    num_processes = parsed.num_processes or (config or {}).get("num_processes") or 1
+    try:
+        SuperOffloadPlugin.from_dict(block).to_config(mixed_precision)
+        check_single_process(int(num_processes))  # accelerate's num_processes counts every machine
+    except ConfigError as error:
+        raise LaunchError(f"superoffload block: {error}") from error
+    except ValueError as error:
+        raise LaunchError(str(error)) from error
+
+
+if __name__ == "__main__":
+    sys.exit(main())

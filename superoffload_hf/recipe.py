@@ -1,0 +1,575 @@
+"""Recipes: one YAML file holds everything `superoffload train` needs.
+
+Every recipe in `recipes/` has the same five top-level sections::
+
+    model:        config: {LlamaConfig fields}   # random init ...
+                  name_or_path: hub id or path   # ... or pretrained weights (exactly one of the two)
+                  dtype, attn_implementation     # optional
+    tokenizer:    shipped: true | name_or_path   # optional; default: model.name_or_path
+    data:         shipped_corpus: true | name: hub id | files: [a.txt, b.jsonl]   (exactly one)
+                  seq_len (required), text_column, split, config, streaming, max_examples
+    training:     any transformers TrainingArguments field; output_dir is required
+    superoffload: SuperOffloadConfig fields ({} for the defaults), or false for the stock optimizer
+
+A recipe may start with `base: parent.yaml` (relative to the recipe) and hold only the keys
+it changes: mappings merge key by key, other values replace, and null removes a parent's key.
+
+Command-line overrides (`--training.max_steps 5`, `--data.seq_len=64`) replace single keys
+before validation. Relative paths are resolved against the current directory. Every error
+names the key, the value, what was expected and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import inspect
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import yaml
+
+from superoffload_hf.config import ConfigError, SuperOffloadConfig
+from superoffload_hf.yaml12 import load_yaml as parse_yaml
+
+SECTIONS = ("model", "tokenizer", "data", "training", "superoffload")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_DTYPE_TO_TORCH = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DATA_FILE_SUFFIXES = (".txt", ".md", ".json", ".jsonl")
+# Set by the CLI from the `superoffload:` section; a recipe must not set them in `training:`.
+TRAINING_KEYS_OWNED_BY_RECIPE = ("superoffload", "superoffload_config")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class RecipeError(ValueError):
+    """A recipe key is missing, unknown, or has a value it cannot take."""
+
+
+# ---- command-line overrides -------------------------------------------------------------------
+
+
+def parse_overrides(tokens: Sequence[str]) -> list[tuple[str, Any]]:
+    """`["--training.max_steps", "5", "--data.seq_len=64", "--training.bf16"]` ->
+    `[("training.max_steps", 5), ("data.seq_len", 64), ("training.bf16", True)]`."""
+    overrides, i = [], 0
+    while i < len(tokens):
+        key, eq, text = _override_key(tokens[i]).partition("=")
+        if not eq:
+            has_value = i + 1 < len(tokens) and not tokens[i + 1].startswith("--")
+            text = tokens[i + 1] if has_value else "true"
+            i += int(has_value)
+        overrides.append((key, _parse_override_value(key, text)))
+        i += 1
+    return overrides
+
+
+def _override_key(token: str) -> str:
+    key = token[2:] if token.startswith("--") else ""
+    if not key.partition("=")[0] or any(not part for part in key.partition("=")[0].split(".")):
+        raise RecipeError(
+            f"Unexpected argument {token!r}; overrides look like `--training.max_steps 5` "
+            "or `--training.max_steps=5` (a dotted key into the recipe, then its value)."
+        )
+    return key
+
+
+def _parse_override_value(key: str, text: str) -> Any:
+    try:
+        return parse_yaml(text) if text.strip() else text
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"Override `--{key}` has value {text!r}, which is not valid YAML: {exc}") from exc
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """Return a copy of `raw` with each dotted key set to its value (missing levels are created)."""
+    result = _deep_copy(raw)
+    for dotted, value in overrides:
+        node, parts = result, dotted.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                prefix = ".".join(parts[: depth + 1])
+                raise RecipeError(
+                    f"Cannot apply override `--{dotted}`: `{prefix}` is {node!r}, not a mapping. "
+                    f"Set the whole section instead, e.g. `--{prefix} '{{{parts[depth + 1]}: ...}}'`."
+                )
+        node[parts[-1]] = value
+    return result
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+# ---- type checks ------------------------------------------------------------------------------
+
+
+def check_type(key: str, value: Any, annotation: Any) -> Any:
+    """Return `value` if it fits `annotation` (a float field also takes an int, kept as is, or
+    a numeric string, returned as a float); otherwise raise a RecipeError naming `key`."""
+    ok, converted = _fits(value, annotation)
+    if not ok:
+        raise RecipeError(
+            f"`{key}` is {value!r} ({type(value).__name__}); expected {_describe(annotation)}."
+        )
+    return converted
+
+
+def _union_args(annotation: Any) -> Optional[tuple]:
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return typing.get_args(annotation)
+    return None
+
+
+def _fits(value: Any, annotation: Any) -> tuple[bool, Any]:
+    members = _union_args(annotation)
+    if members is not None:
+        for member in members:
+            ok, converted = _fits(value, member)
+            if ok:
+                return True, converted
+        return False, value
+    return _fits_one(value, typing.get_origin(annotation) or annotation)
+
+
+def _fits_one(value: Any, kind: Any) -> tuple[bool, Any]:
+    if kind is type(None):
+        return value is None, value
+    if kind is bool:
+        return isinstance(value, bool), value
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if kind is float:
+        return _as_float(value)
+    if kind is str or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+        return isinstance(value, str), value
+    if kind in (dict, Mapping):
+        return isinstance(value, Mapping), value
+    if kind in (list, tuple, Sequence):
+        return isinstance(value, (list, tuple)), value
+    return True, value  # an annotation this checker does not model: the consumer validates it
+
+
+def _as_float(value: Any) -> tuple[bool, Any]:
+    if isinstance(value, bool):
+        return False, value
+    if isinstance(value, (int, float)):
+        return True, value  # an int stays an int: TrainingArguments treats 10 and 10.0 alike
+    if isinstance(value, str):
+        try:
+            return True, float(value)
+        except ValueError:
+            return False, value
+    return False, value
+
+
+def _describe(annotation: Any) -> str:
+    members = _union_args(annotation)
+    if members is not None:
+        return " or ".join(_describe(m) for m in members)
+    kind = typing.get_origin(annotation) or annotation
+    names = {type(None): "null", bool: "true or false", int: "an integer", float: "a number",
+             str: "a string", dict: "a mapping", list: "a list", tuple: "a list"}
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return "one of " + str([m.value for m in kind])
+    return names.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def check_keys(section: str, values: Mapping[str, Any], allowed: Sequence[str]) -> None:
+    """Raise on keys of `values` not in `allowed`, suggesting close matches."""
+    for key in values:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), list(allowed), n=3)
+            hint = f" Did you mean {close}?" if close else f" Valid keys: {sorted(allowed)}."
+            raise RecipeError(f"Unknown key `{section}.{key}`.{hint}")
+
+
+def _section_from_mapping(cls: type, section: str, values: Any) -> Any:
+    """Build the section dataclass `cls` from a mapping: unknown keys, missing required keys
+    and wrong types raise with the dotted key."""
+    if not isinstance(values, Mapping):
+        raise RecipeError(f"`{section}` is {values!r}; expected a mapping of keys (see recipes/*.yaml).")
+    hints = typing.get_type_hints(cls)
+    specs = [f for f in dataclasses.fields(cls) if f.init]
+    check_keys(section, values, [f.name for f in specs])
+    kwargs = {}
+    for spec in specs:
+        if spec.name in values:
+            kwargs[spec.name] = check_type(f"{section}.{spec.name}", values[spec.name], hints[spec.name])
+        elif spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+            raise RecipeError(f"Missing key `{section}.{spec.name}`: {_field_doc(cls, spec.name)}")
+    return cls(**kwargs)
+
+
+def _field_doc(cls: type, name: str) -> str:
+    return getattr(cls, "FIELD_HELP", {}).get(name, "it is required.")
+
+
+# ---- sections ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to train: a random init from `config`, or pretrained `name_or_path`."""
+
+    config: Optional[dict] = None
+    """LlamaConfig fields (any transformers config with `model_type:`, default "llama")."""
+    name_or_path: Optional[str] = None
+    """A hub id (e.g. meta-llama/Llama-3.2-1B) or a local directory written by save_pretrained."""
+    dtype: str = "auto"
+    """Dtype the model is created in. "auto": the dtype the device computes in (superoffload's
+    device_dtype, else bfloat16 with training.bf16, float16 with training.fp16, else float32), so
+    a large model is never materialized in fp32 first."""
+    attn_implementation: Optional[str] = None
+    """transformers attention backend ("eager", "sdpa", ...); None: the library's default."""
+
+    def __post_init__(self) -> None:
+        if (self.config is None) == (self.name_or_path is None):
+            raise RecipeError(
+                "`model` needs exactly one of `config` (random init from LlamaConfig fields) or "
+                f"`name_or_path` (hub id or local path); got {'both' if self.config is not None else 'neither'}."
+                + (" On the command line, drop the other with e.g. `--model.config null`." if self.config is not None else "")
+            )
+        if self.dtype not in MODEL_DTYPES:
+            raise RecipeError(f"`model.dtype` is {self.dtype!r}; valid choices are {list(MODEL_DTYPES)}.")
+        if self.name_or_path is not None:
+            check_model_location(self.name_or_path)
+        if self.config is not None:
+            validate_model_config(self.config)
+
+
+def validate_model_config(values: Mapping[str, Any]) -> None:
+    """Keys of `model.config` must be fields of the config class of its `model_type`
+    (default "llama"), with the type of the field's default value."""
+    from transformers import AutoConfig
+
+    model_type = values.get("model_type", "llama")
+    try:
+        default = AutoConfig.for_model(model_type)
+    except (ValueError, KeyError) as exc:
+        raise RecipeError(
+            f"`model.config.model_type` is {model_type!r}; expected a transformers model type such as \"llama\"."
+        ) from exc
+    allowed = set(inspect.signature(type(default).__init__).parameters) | set(vars(default))
+    allowed = sorted((allowed | {"model_type", "attn_implementation"}) - {"self", "kwargs"})
+    check_keys("model.config", values, [k for k in allowed if not k.startswith("_")])
+    for key, value in values.items():
+        default_value = getattr(default, key, None)
+        if type(default_value) in (bool, int, float):
+            check_type(f"model.config.{key}", value, float if type(default_value) is float else type(default_value))
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Which tokenizer: the one built from the shipped corpus, or a pretrained one."""
+
+    shipped: bool = False
+    """Train a byte-level BPE on the corpus shipped in superoffload_hf/corpus (offline, <1 s)."""
+    name_or_path: Optional[str] = None
+    """A hub id or a local directory; default: the model's name_or_path."""
+    vocab_size: int = 2048
+    """Vocabulary size of the shipped tokenizer (ignored for a pretrained one)."""
+
+    def __post_init__(self) -> None:
+        if self.shipped and self.name_or_path is not None:
+            raise RecipeError(
+                "`tokenizer` has both `shipped: true` and `name_or_path`; keep one of them."
+            )
+        if self.vocab_size < 260:
+            raise RecipeError(
+                f"`tokenizer.vocab_size` is {self.vocab_size}; expected >= 260 (256 bytes + special tokens)."
+            )
+        if self.name_or_path is not None:
+            check_model_location(self.name_or_path, key="tokenizer.name_or_path")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What text to train on, and how it is cut into training sequences."""
+
+    FIELD_HELP = {"seq_len": "the length of each packed training sequence, e.g. `seq_len: 128`."}
+
+    seq_len: int
+    """Tokens per training sequence: documents are tokenized, joined with EOS and cut into
+    blocks of this length (the remainder is dropped)."""
+    shipped_corpus: bool = False
+    """Train on the small English corpus in superoffload_hf/corpus (no network)."""
+    name: Optional[str] = None
+    """A `datasets` hub id (needs the `datasets` package and network or its cache)."""
+    config: Optional[str] = None
+    """The hub dataset's configuration name (e.g. wikitext-103-raw-v1)."""
+    split: str = "train"
+    """The hub dataset's split."""
+    streaming: bool = False
+    """Stream the hub dataset instead of downloading it whole (use with max_examples)."""
+    files: Optional[list] = None
+    """Local .txt/.md files (one document per paragraph) or .json/.jsonl files (one per record)."""
+    text_column: str = "text"
+    """The field holding the text in hub datasets and JSON records."""
+    max_examples: Optional[int] = None
+    """Read at most this many documents (None: all)."""
+
+    def __post_init__(self) -> None:
+        sources = [k for k in ("shipped_corpus", "name", "files") if getattr(self, k)]
+        if len(sources) != 1:
+            raise RecipeError(
+                "`data` needs exactly one source: `shipped_corpus: true`, `name: <hub id>` or "
+                f"`files: [...]`; got {sources or 'none'}."
+            )
+        if self.seq_len < 2:
+            raise RecipeError(f"`data.seq_len` is {self.seq_len}; expected an integer >= 2.")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise RecipeError(f"`data.max_examples` is {self.max_examples}; expected an integer >= 1 or null.")
+        for path in self.files or ():
+            _check_data_file(path)
+
+
+def _check_data_file(path: Any) -> None:
+    if not isinstance(path, str):
+        raise RecipeError(f"`data.files` holds {path!r}; expected file paths (strings).")
+    if Path(path).suffix not in DATA_FILE_SUFFIXES:
+        raise RecipeError(
+            f"`data.files` holds {path!r} with suffix {Path(path).suffix!r}; expected one of "
+            f"{list(DATA_FILE_SUFFIXES)}."
+        )
+    if not Path(path).expanduser().is_file():
+        raise RecipeError(
+            f"`data.files` holds {path!r}, which does not exist (relative to {os.getcwd()}). "
+            "Fix the path, or run from the directory it is relative to."
+        )
+
+
+def check_model_location(name_or_path: str, key: str = "model.name_or_path") -> None:
+    """An existing directory must hold config.json (or tokenizer files); a string that looks
+    like a path must exist; anything else must look like a hub id (`org/name`)."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise RecipeError(
+                f"`{key}` is {name_or_path!r}, a file; expected a directory written by "
+                "save_pretrained (holding config.json) or a hub id like `meta-llama/Llama-3.2-1B`."
+            )
+        return
+    if _looks_like_path(name_or_path):
+        raise RecipeError(
+            f"`{key}` is {name_or_path!r}, which looks like a local path but does not exist "
+            f"(relative to {os.getcwd()}). Fix the path, or give a hub id like `meta-llama/Llama-3.2-1B`."
+        )
+    if not _HUB_ID.match(name_or_path):
+        raise RecipeError(
+            f"`{key}` is {name_or_path!r}, which is neither an existing directory nor a hub id "
+            "(expected `org/name`, e.g. `meta-llama/Llama-3.2-1B`)."
+        )
+
+
+def _looks_like_path(text: str) -> bool:
+    return (
+        text.startswith(("/", "./", "../", "~", "."))
+        or text.count("/") > 1
+        or text.endswith("/")
+        or "\\" in text
+        or text.endswith((".json", ".safetensors", ".bin"))
+    )
+
+
+# ---- the recipe -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated recipe. `training` holds TrainingArguments keywords; `superoffload` holds
+    SuperOffloadConfig fields, or None to train with the stock optimizer."""
+
+    model: ModelSpec
+    tokenizer: TokenizerSpec
+    data: DataSpec
+    training: dict = field(default_factory=dict)
+    superoffload: Optional[dict] = None
+    source: str = "<dict>"
+
+    @property
+    def model_dtype(self) -> str:
+        """torch dtype name the model is created in ("auto" resolved)."""
+        if self.model.dtype != "auto":
+            return self.model.dtype
+        if self.superoffload is None:
+            return "float32"  # the stock optimizer: fp32 weights (bf16/fp16 training autocasts)
+        if "device_dtype" in self.superoffload:
+            return DEVICE_DTYPE_TO_TORCH[self.superoffload["device_dtype"]]
+        # As the integration resolves it: bf16 -> bf16 weights, fp16 -> fp16, neither -> fp32.
+        return "bfloat16" if self.training.get("bf16") else "float16" if self.training.get("fp16") else "float32"
+
+    @property
+    def tokenizer_name_or_path(self) -> Optional[str]:
+        return self.tokenizer.name_or_path or (None if self.tokenizer.shipped else self.model.name_or_path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe, as the sections a YAML recipe would hold."""
+        return {
+            "model": _drop_none(dataclasses.asdict(self.model)),
+            "tokenizer": _drop_none(dataclasses.asdict(self.tokenizer)),
+            "data": _drop_none(dataclasses.asdict(self.data)),
+            "training": dict(self.training),
+            "superoffload": False if self.superoffload is None else dict(self.superoffload),
+        }
+
+
+def _drop_none(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def load_recipe(path: Union[str, Path], overrides: Sequence[str] = ()) -> Recipe:
+    """Read a recipe YAML (and the chain of `base:` recipes it derives from), apply
+    command-line override tokens, and validate it."""
+    path = Path(path)
+    try:
+        raw = read_recipe_yaml(path)
+        return recipe_from_dict(apply_overrides(raw, parse_overrides(overrides)), source=str(path))
+    except (RecipeError, ConfigError) as exc:
+        raise RecipeError(f"{path}: {exc}") from exc
+
+
+def read_recipe_yaml(path: Path, derived_from: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The raw mapping of a recipe file, merged over its `base:` recipe (a path relative to
+    the file): mappings merge key by key, other values replace, null removes the base's key."""
+    if not path.is_file():
+        raise RecipeError(f"Recipe file {str(path)!r} does not exist; pass a YAML recipe, e.g. recipes/tiny_llama_cpu.yaml.")
+    if path.resolve() in derived_from:
+        raise RecipeError(f"Recipe {str(path)!r} derives from itself through `base:`; break the cycle.")
+    try:
+        raw = parse_yaml(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"Recipe file {str(path)!r} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"Recipe file {str(path)!r} must hold a mapping with sections {list(SECTIONS)}.")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise RecipeError(f"`base` is {base!r} in {str(path)!r}; expected the path of the parent recipe.")
+    return merge_recipes(read_recipe_yaml(path.parent / base, derived_from + (path.resolve(),)), raw)
+
+
+def merge_recipes(base: Mapping[str, Any], derived: Mapping[str, Any]) -> dict[str, Any]:
+    """`derived` over `base`: nested mappings merge, other values replace, None deletes."""
+    merged = _deep_copy(base)
+    for key, value in derived.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge_recipes(merged[key], value)
+        else:
+            merged[key] = _deep_copy(value)
+    return merged
+
+
+def recipe_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Recipe:
+    """Validate the sections of a recipe (already parsed and overridden)."""
+    check_keys("<top level>", raw, SECTIONS)
+    for section in ("model", "data", "training"):
+        if section not in raw:
+            raise RecipeError(f"Missing section `{section}:`; every recipe has {list(SECTIONS)} (tokenizer and superoffload optional).")
+    recipe = Recipe(
+        model=_section_from_mapping(ModelSpec, "model", raw["model"]),
+        tokenizer=_section_from_mapping(TokenizerSpec, "tokenizer", raw.get("tokenizer") or {}),
+        data=_section_from_mapping(DataSpec, "data", raw["data"]),
+        training=validate_training(raw["training"]),
+        superoffload=validate_superoffload(raw.get("superoffload", {})),
+        source=source,
+    )
+    _check_cross_section(recipe)
+    return recipe
+
+
+def _check_cross_section(recipe: Recipe) -> None:
+    if recipe.model.config is not None and recipe.tokenizer_name_or_path is None and not recipe.tokenizer.shipped:
+        raise RecipeError(
+            "`model.config` builds a model without a tokenizer; set `tokenizer: {shipped: true}` "
+            "or `tokenizer: {name_or_path: <hub id or path>}`."
+        )
+    if recipe.training.get("resume_from_checkpoint") is True and not _has_checkpoint(recipe.training["output_dir"]):
+        raise RecipeError(
+            f"`training.resume_from_checkpoint` is true but `training.output_dir` "
+            f"({recipe.training['output_dir']!r}) holds no checkpoint-N directory; run without it "
+            "first, or give the checkpoint directory to resume from."
+        )
+    max_positions = (recipe.model.config or {}).get("max_position_embeddings")
+    if isinstance(max_positions, int) and recipe.data.seq_len > max_positions:
+        raise RecipeError(
+            f"`data.seq_len` is {recipe.data.seq_len} but `model.config.max_position_embeddings` "
+            f"is {max_positions}; lower seq_len or raise max_position_embeddings."
+        )
+
+
+def _has_checkpoint(output_dir: str) -> bool:
+    return any(p.is_dir() for p in Path(output_dir).expanduser().glob("checkpoint-*"))
+
+
+def validate_superoffload(values: Any) -> Optional[dict]:
+    """`false` -> None (stock optimizer); a mapping -> its fields, checked by SuperOffloadConfig."""
+    if values is False:
+        return None
+    if values is None or values is True:
+        values = {}
+    if not isinstance(values, Mapping):
+        raise RecipeError(
+            f"`superoffload` is {values!r}; expected a mapping of SuperOffloadConfig fields "
+            "({} for the defaults) or false to train with the stock optimizer."
+        )
+    try:
+        SuperOffloadConfig.from_dict(values)
+    except ConfigError as exc:
+        raise RecipeError(f"In the `superoffload:` section: {exc}") from exc
+    return dict(values)
+
+
+def validate_training(values: Any) -> dict:
+    """Check `training:` against transformers.TrainingArguments: known keys, right types,
+    output_dir present. Returns the keywords, floats coerced."""
+    from transformers import TrainingArguments
+
+    if not isinstance(values, Mapping):
+        raise RecipeError(f"`training` is {values!r}; expected a mapping of TrainingArguments fields.")
+    for key in TRAINING_KEYS_OWNED_BY_RECIPE:
+        if key in values:
+            raise RecipeError(
+                f"`training.{key}` is set by `superoffload train` from the top-level `superoffload:` "
+                "section; move the settings there (or set `superoffload: false`)."
+            )
+    fields_by_name = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+    check_keys("training", values, list(fields_by_name))
+    if not values.get("output_dir"):
+        raise RecipeError("Missing key `training.output_dir`: where checkpoints are saved, e.g. `output_dir: out/tiny`.")
+    return {key: _check_training_value(key, value, fields_by_name[key].type) for key, value in values.items()}
+
+
+def _check_training_value(key: str, value: Any, annotation: Any) -> Any:
+    if key == "resume_from_checkpoint":
+        return _check_resume(value)
+    return check_type(f"training.{key}", value, annotation)
+
+
+def _check_resume(value: Any) -> Any:
+    """true: the last checkpoint in output_dir; a string: that checkpoint directory."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if not Path(value).expanduser().is_dir():
+            raise RecipeError(
+                f"`training.resume_from_checkpoint` is {value!r}, which is not a directory; give a "
+                "checkpoint directory (output_dir/checkpoint-N) or `true` for the last one in output_dir."
+            )
+        return value
+    raise RecipeError(
+        f"`training.resume_from_checkpoint` is {value!r}; expected true, false, or a checkpoint directory."
+    )

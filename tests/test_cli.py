@@ -1,0 +1,210 @@
+"""The `superoffload` command: `train` on the tiny recipe end to end (checkpoint, summary,
+resume), argument handling, bad inputs, and `launch` forwarding."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from superoffload_hf import cli
+from superoffload_hf.cli import TrainSummary, main, optimizer_counters
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "recipes" / "tiny_llama_cpu.yaml")
+# Constant LR: a 3-step run resumed to 5 steps sees the same schedule as a 5-step run.
+FAST = ["--training.logging_steps", "1", "--training.save_steps", "3", "--training.warmup_steps", "0",
+        "--training.lr_scheduler_type", "constant"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m superoffload_hf.cli ARGS` offline, from the repository root."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "superoffload_hf.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def safetensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def three_step_run(tmp_path_factory):
+    """The tiny recipe for 3 steps through the real entry point; returns (output_dir, process)."""
+    out = tmp_path_factory.mktemp("tiny") / "out"
+    proc = run_cli("train", TINY, "--training.max_steps", "3", "--training.output_dir", str(out), *FAST)
+    return out, proc
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+# ---- train, end to end ------------------------------------------------------------------------
+
+
+def test_train_runs_the_tiny_recipe_and_prints_the_summary(three_step_run):
+    out, proc = three_step_run
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summary = proc.stdout[proc.stdout.index("superoffload train: done"):]
+    assert re.search(r"steps\s+3 \(global step 3\), 3,072 tokens in", summary), summary
+    assert re.search(r"tokens/s\s+[\d,]+\n", summary), summary
+    assert re.search(r"final loss\s+\d+\.\d{4} at step 3 \(first logged \d+\.\d{4} at step 1\)", summary), summary
+    assert re.search(r"rollbacks\s+\d+\n", summary), summary
+    assert re.search(r"skipped steps\s+0\n", summary), summary
+    assert f"checkpoint     {out / 'checkpoint-3'}" in summary
+
+
+def test_train_prints_what_it_built_before_training(three_step_run):
+    _, proc = three_step_run
+    assert re.search(r"model\s+llama, 1\.31M parameters, float32, random init", proc.stdout)
+    assert re.search(r"data\s+[\d,]+ tokens in \d+ blocks of 128", proc.stdout)
+
+
+def test_checkpoint_holds_safetensors_weights_and_the_tokenizer(three_step_run):
+    out, proc = three_step_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    weights = safetensors_of(out / "checkpoint-3")
+    assert weights["model.embed_tokens.weight"].shape == (2048, 128)
+    assert weights["model.embed_tokens.weight"].dtype == torch.float32
+    assert (out / "checkpoint-3" / "tokenizer.json").is_file()
+    assert not (out / "checkpoint-3" / "pytorch_model.bin").exists()
+
+
+def test_resumed_run_ends_where_an_uninterrupted_run_ends(three_step_run, tmp_path, capsys, offline):
+    out, proc = three_step_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = main(["train", TINY, "--training.max_steps", "5", "--training.output_dir", str(out),
+                    "--training.resume_from_checkpoint", "true", *FAST])
+    printed = capsys.readouterr().out
+    assert resumed == 0
+    assert re.search(r"resumed from\s+step 3\n", printed), printed
+    assert re.search(r"steps\s+2 \(global step 5\), 2,048 tokens", printed), printed
+
+    straight = main(["train", TINY, "--training.max_steps", "5", "--training.output_dir", str(tmp_path), *FAST])
+    assert straight == 0
+    expected, got = safetensors_of(tmp_path / "checkpoint-5"), safetensors_of(out / "checkpoint-5")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(got["model.norm.weight"], safetensors_of(out / "checkpoint-3")["model.norm.weight"])
+
+
+def test_stock_optimizer_recipe_trains_and_reports_no_offload_counters(tmp_path, capsys, offline):
+    code = main(["train", str(REPO / "recipes" / "tiny_llama_cpu_stock.yaml"), "--training.max_steps", "2",
+                 "--training.output_dir", str(tmp_path), *FAST])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert re.search(r"optimizer\s+stock \(superoffload: false\)", printed)
+    assert re.search(r"rollbacks\s+n/a \(stock optimizer\)", printed)
+    assert (tmp_path / "checkpoint-2" / "model.safetensors").is_file()
+
+
+# ---- arguments and bad inputs -----------------------------------------------------------------
+
+
+def test_no_arguments_prints_usage_and_fails(capsys):
+    assert main([]) == 2
+    assert "usage: superoffload train RECIPE.yaml" in capsys.readouterr().err
+
+
+def test_help_prints_usage_and_succeeds(capsys):
+    assert main(["--help"]) == 0
+    assert main(["train", "--help"]) == 0
+    assert capsys.readouterr().out.count("usage: superoffload train") == 2
+
+
+def test_unknown_command_is_named(capsys):
+    assert main(["fit", TINY]) == 2
+    assert "unknown command 'fit'; expected `train` or `launch`" in capsys.readouterr().err
+
+
+def test_train_without_a_recipe_prints_usage(capsys):
+    assert main(["train", "--training.max_steps", "3"]) == 2
+    assert "usage: superoffload train" in capsys.readouterr().err
+
+
+def test_missing_recipe_file_exits_2_naming_it(capsys):
+    assert main(["train", "recipes/nope.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("superoffload train: error:") and "'recipes/nope.yaml' does not exist" in err
+
+
+def test_model_path_that_does_not_exist_exits_2_before_loading_anything(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "train", lambda recipe: pytest.fail("train() ran on a bad recipe"))
+    code = main(["train", TINY, "--model.config", "null", "--model.name_or_path", "./checkpoints/llama"])
+    assert code == 2
+    assert "'./checkpoints/llama', which looks like a local path but does not exist" in capsys.readouterr().err
+
+
+def test_wrong_type_on_the_command_line_exits_2_naming_the_key(capsys):
+    assert main(["train", TINY, "--training.max_steps", "many", "--dry-run"]) == 2
+    assert "`training.max_steps` is 'many' (str); expected an integer." in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_resolved_recipe_with_overrides(capsys):
+    assert main(["train", TINY, "--dry-run", "--training.max_steps=3", "--superoffload.speculation", "off"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["training"]["max_steps"] == 3
+    assert printed["superoffload"] == {"device_dtype": "fp32", "speculation": "off"}
+    assert printed["model"]["config"]["hidden_size"] == 128
+
+
+def test_python_dash_m_runs_the_cli():
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and "usage: superoffload train" in proc.stdout
+
+
+def test_console_script_is_the_cli_main():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["superoffload"] == "superoffload_hf.cli:main"
+
+
+def test_corpus_is_declared_package_data():
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "corpus/*.txt" in package_data["superoffload_hf"]
+
+
+def test_launch_forwards_every_argument_to_the_launcher(monkeypatch):
+    seen = []
+    fake = types.ModuleType("superoffload_hf.integrations.launcher")
+    fake.main = lambda argv: seen.append(argv) or 7
+    monkeypatch.setitem(sys.modules, "superoffload_hf.integrations.launcher", fake)
+    argv = ["--config_file", "recipes/accelerate/superoffload.yaml", "train.py", "--bf16", "--train.x=1"]
+    assert main(["launch", *argv]) == 7
+    assert seen == [argv]
+
+
+# ---- the summary ------------------------------------------------------------------------------
+
+
+def test_summary_reports_tokens_per_second_and_the_counters():
+    summary = TrainSummary(steps=10, global_step=13, tokens=40_960, seconds=4.0, first_loss=(4, 7.5),
+                           final_loss=(13, 2.25), rollbacks=1, skipped_steps=2, checkpoint="out/checkpoint-13",
+                           resumed_from_step=3)
+    text = summary.format()
+    assert summary.tokens_per_second == 10_240.0
+    for line in ("resumed from   step 3", "steps          10 (global step 13), 40,960 tokens in 4.0 s",
+                 "tokens/s       10,240", "final loss     2.2500 at step 13 (first logged 7.5000 at step 4)",
+                 "rollbacks      1", "skipped steps  2", "checkpoint     out/checkpoint-13"):
+        assert line in text, text
+
+
+def test_counters_are_read_through_the_accelerate_wrapper():
+    counters = types.SimpleNamespace(rollbacks=3, skips=1)
+    inner = types.SimpleNamespace(counters=counters)
+    assert optimizer_counters(types.SimpleNamespace(optimizer=types.SimpleNamespace(optimizer=inner))) is counters
+    assert optimizer_counters(types.SimpleNamespace(optimizer=inner)) is counters
+    assert optimizer_counters(types.SimpleNamespace(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))) is None

@@ -1,0 +1,179 @@
+"""`superoffload launch`: block stripping, argument forwarding, the autopatch, and a real launch
+of an unmodified stock-Trainer script (one CPU process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+from accelerate.commands.config import load_config_from_file
+
+from superoffload_hf.integrations import autopatch, launcher
+from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptimizer
+from superoffload_hf.integrations.callback import LOG_PREFIX
+
+from _models import tiny_batch, tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_CONFIG = REPO / "recipes" / "accelerate" / "superoffload_cpu.yaml"
+GPU_CONFIG = REPO / "recipes" / "accelerate" / "superoffload.yaml"
+STOCK_SCRIPT = REPO / "tests" / "scripts" / "stock_trainer_script.py"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def write_config(tmp_path: Path, block, **accelerate_overrides) -> Path:
+    config = yaml.safe_load(CPU_CONFIG.read_text())
+    config.pop("superoffload")
+    config.update(accelerate_overrides)
+    if block is not None:
+        config["superoffload"] = block
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child Python that can import superoffload_hf from this checkout."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+# ---- stripping and forwarding ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config_flag", [["--config_file", "{path}"], ["--config-file={path}"]])
+def test_plan_strips_the_block_and_forwards_every_other_argument(tmp_path, config_flag):
+    path = write_config(tmp_path, {"speculation": "off", "host_threads": 4})
+    argv = [arg.format(path=path) for arg in config_flag] + [
+        "--num_processes", "1", "--mixed_precision", "no", "train.py",
+        "--config_file", "script_own.yaml", "--learning_rate", "1e-3",
+    ]
+    plan = launcher.plan_launch(argv)
+    assert plan.superoffload == {"speculation": "off", "host_threads": 4}
+    assert plan.accelerate_args == ["--num_processes", "1", "--mixed_precision", "no"]
+    assert plan.script_args == ["train.py", "--config_file", "script_own.yaml", "--learning_rate", "1e-3"]
+    command = launcher.accelerate_command(plan, str(tmp_path))
+    stripped = command[command.index("--config_file") + 1]
+    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert command[5:] == plan.accelerate_args + plan.script_args
+    expected = yaml.safe_load(path.read_text())
+    del expected["superoffload"]
+    assert yaml.safe_load(Path(stripped).read_text()) == expected
+    load_config_from_file(stripped)  # Accelerate accepts the stripped config...
+    with pytest.raises(ValueError, match="unknown keys.*superoffload"):
+        load_config_from_file(str(path))  # ...and rejects the original
+
+
+def test_shipped_accelerate_configs_carry_valid_superoffload_blocks():
+    for path in (CPU_CONFIG, GPU_CONFIG):
+        plan = launcher.plan_launch(["--config_file", str(path), "train.py"])
+        assert plan.superoffload and "superoffload" not in plan.accelerate_config
+
+
+def test_launch_environment_carries_the_block_and_puts_the_site_dir_first():
+    env = launcher.launch_environment({"PYTHONPATH": "/elsewhere", "HOME": "/h"}, {"speculation": "off"})
+    assert json.loads(env[autopatch.CONFIG_ENV_VAR]) == {"speculation": "off"}
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(launcher.SITE_DIR), "/elsewhere"]
+    assert (launcher.SITE_DIR / "sitecustomize.py").is_file()
+
+
+def test_unknown_superoffload_key_fails_before_launching(tmp_path, capsys):
+    path = write_config(tmp_path, {"speculaton": "off"})
+    assert launcher.main(["--config_file", str(path), "train.py"]) == 2
+    message = capsys.readouterr().err
+    assert "speculaton" in message and "valid keys are" in message
+
+
+@pytest.mark.parametrize(
+    "overrides, flags, refused",
+    [({"distributed_type": "DEEPSPEED"}, [], "DEEPSPEED"), ({"distributed_type": "FSDP"}, [], "FSDP"),
+     ({}, ["--use_fsdp"], "FSDP"), ({"mixed_precision": "fp8"}, [], "fp8"),
+     ({}, ["--num_processes", "2"], "one process"), ({"num_processes": 4}, [], "one process")],
+)
+def test_launcher_refuses_what_superoffload_cannot_combine_with(tmp_path, capsys, overrides, flags, refused):
+    path = write_config(tmp_path, {}, **overrides)
+    assert launcher.main(["--config_file", str(path), *flags, "train.py"]) == 2
+    assert refused in capsys.readouterr().err
+
+
+# ---- the autopatch --------------------------------------------------------------------------------
+
+
+class StockDataset(torch.utils.data.Dataset):
+    def __init__(self):
+        self.examples = [{k: v[0] for k, v in tiny_batch(batch=1, seed=i).items()} for i in range(8)]
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, index):
+        return self.examples[index]
+
+
+def test_autopatch_gives_a_stock_trainer_superoffload(tmp_path, monkeypatch):
+    class StockTrainer(transformers.Trainer):  # a stand-in, so the real class stays unpatched
+        pass
+
+    monkeypatch.setattr(autopatch, "_launch_block", {"host_kernel": "reference", "speculation": "on"})
+    autopatch.patch_trainer_class(StockTrainer)
+    autopatch.patch_trainer_class(StockTrainer)  # idempotent
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                                          logging_steps=1, report_to="none", use_cpu=True, save_strategy="no")
+    trainer = StockTrainer(model=tiny_llama(num_layers=1), args=args, train_dataset=StockDataset())
+    trainer.train()
+    assert isinstance(trainer.optimizer, SuperOffloadAcceleratedOptimizer)
+    assert trainer.optimizer.optimizer.config.speculation == "on"
+    assert all(LOG_PREFIX + "skips" in r for r in trainer.state.log_history if "loss" in r)
+
+
+def test_without_the_environment_variable_nothing_is_armed():
+    before = list(sys.meta_path)
+    assert autopatch.install_from_environment({}) is False
+    assert sys.meta_path == before
+
+
+def test_sitecustomize_arms_the_hook_and_still_runs_the_sitecustomize_it_shadows(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_SITECUSTOMIZE_RAN'] = '1'\n")
+    probe = ("import os, sys; from superoffload_hf.integrations import autopatch; "
+             "print(os.environ.get('SHADOWED_SITECUSTOMIZE_RAN'), autopatch.launch_plugin().speculation, "
+             "any(type(f).__name__ == '_AfterImport' for f in sys.meta_path), 'transformers' in sys.modules)")
+    env = child_env(**{autopatch.CONFIG_ENV_VAR: json.dumps({"speculation": "off"})})
+    env["PYTHONPATH"] = os.pathsep.join([str(launcher.SITE_DIR), str(tmp_path), env["PYTHONPATH"]])
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "off", "True", "False"]
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+
+
+def test_an_unmodified_stock_trainer_script_trains_with_superoffload_through_the_launcher(
+        tmp_path, monkeypatch, capfd):
+    output = tmp_path / "out"
+    for name, value in child_env(OMP_NUM_THREADS="1").items():
+        monkeypatch.setenv(name, value)  # accelerate launch passes OMP_NUM_THREADS on to the script
+    monkeypatch.chdir(tmp_path)
+    code = launcher.main([
+        "--config_file", str(CPU_CONFIG), "--num_processes", "1", str(STOCK_SCRIPT),
+        "--output_dir", str(output), "--max_steps", "3", "--per_device_train_batch_size", "4",
+        "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--use_cpu",
+        "--disable_tqdm", "true",
+    ])
+    streams = capfd.readouterr()
+    assert code == 0, streams.out[-3000:] + streams.err[-3000:]
+    records = [r for r in json.loads((output / "trainer_state.json").read_text())["log_history"] if "loss" in r]
+    assert len(records) == 3
+    for record in records:
+        assert record["grad_norm"] > 0 and LOG_PREFIX + "rollbacks" in record
+    assert records[-1][LOG_PREFIX + "speculative_steps"] >= 1  # the block's speculation: "on" arrived
+    # The host Adam's pool follows the block's host_threads: 2, not OMP_NUM_THREADS=1.
+    assert "reference/none x2 threads" in streams.err

@@ -1,0 +1,360 @@
+"""The HF Trainer with superoffload=True against the stock Trainer with adamw_torch (CPU, fp32).
+
+Each run trains a tiny Llama for a few steps on a tiny in-memory dataset; the two runs start
+from bitwise-equal weights and see the same batches. The engine's Adam rounds with fma and sums
+the norm in float64 where torch does neither, so losses, grad norms and parameters agree to a
+few ulp per step (rtol 1e-5, atol 1e-6), element by element. Speculation is on, so buckets
+are stepped on the host during backward, and rolled back and replayed when the step clips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import HfArgumentParser, TrainerCallback
+
+from superoffload_hf.config import ConfigError
+from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptimizer, SuperOffloadLossScaler
+from superoffload_hf.integrations.callback import LOG_PREFIX, SuperOffloadCallback, unwrap_optimizer
+from superoffload_hf.integrations.trainer import Trainer, TrainingArguments, check_hook_points
+
+from _models import tiny_batch, tiny_llama
+
+pytestmark = pytest.mark.timeout(300)
+
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 6
+# The tiny Llama's grad norm is ~1.1: HUGE never clips; LATE clips, but only the sum over most
+# buckets shows it (speculative buckets roll back and replay); TINY clips from the first bucket.
+HUGE, LATE, TINY = 1e6, 1.0, 1e-2
+# Speculate on every step; undo with snapshots, so a clipped step is replayed from exactly the
+# state it started from (the default inverse rollback has its own stated error bound, tested by
+# the engine's tests; the default config is tested below at the Trainer's max_grad_norm).
+SPECULATE = {"host_kernel": "reference", "speculation": "on", "rollback": "snapshot"}
+
+
+class TinyDataset(torch.utils.data.Dataset):
+    """`size` causal-LM examples of 16 tokens, the same for every run."""
+
+    def __init__(self, size: int = 48):
+        self.examples = [{k: v[0] for k, v in tiny_batch(batch=1, seed=i).items()} for i in range(size)]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.examples[index]
+
+
+def make_args(tmp_path: Path, name: str, **overrides) -> TrainingArguments:
+    values = dict(
+        output_dir=str(tmp_path / name), max_steps=STEPS, per_device_train_batch_size=4,
+        learning_rate=1e-3, weight_decay=0.1, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=True, disable_tqdm=True, optim="adamw_torch", seed=0, data_seed=0,
+        superoffload_config=SPECULATE,
+    )
+    values.update(overrides)
+    superoffload = values.pop("superoffload", True)
+    if not superoffload:
+        values.pop("superoffload_config")
+    return TrainingArguments(superoffload=superoffload, **values)
+
+
+def train(args: TrainingArguments, trainer_cls=Trainer, callbacks=None, resume=None) -> Trainer:
+    trainer = trainer_cls(model=tiny_llama(num_layers=2), args=args, train_dataset=TinyDataset(),
+                          callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def train_logs(trainer: Trainer) -> list[dict]:
+    return [record for record in trainer.state.log_history if "loss" in record]
+
+
+def assert_same_training(stock: Trainer, offload: Trainer) -> None:
+    stock_logs, offload_logs = train_logs(stock), train_logs(offload)
+    assert len(stock_logs) == len(offload_logs) == STEPS
+    for key in ("loss", "grad_norm", "learning_rate"):
+        expected = torch.tensor([record[key] for record in stock_logs], dtype=torch.float64)
+        actual = torch.tensor([record[key] for record in offload_logs], dtype=torch.float64)
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=f"logged {key}")
+    for (name, expected), (_, actual) in zip(stock.model.named_parameters(), offload.model.named_parameters()):
+        torch.testing.assert_close(actual.detach(), expected.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+# ---- training matches the stock Trainer ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_grad_norm", [HUGE, LATE, TINY],
+                         ids=["clipping_never", "clipping_found_late", "clipping_always"])
+def test_superoffload_trainer_matches_stock_adamw(tmp_path, max_grad_norm):
+    stock = train(make_args(tmp_path, "stock", superoffload=False, max_grad_norm=max_grad_norm))
+    offload = train(make_args(tmp_path, "offload", max_grad_norm=max_grad_norm))
+    assert isinstance(offload.optimizer, SuperOffloadAcceleratedOptimizer)
+    assert_same_training(stock, offload)
+    clipped = [record["grad_norm"] > max_grad_norm for record in train_logs(offload)]
+    assert clipped == [max_grad_norm != HUGE] * STEPS
+    counters = unwrap_optimizer(offload.optimizer).counters
+    if max_grad_norm == HUGE:
+        assert counters.speculative_steps >= 1 and counters.rollbacks == 0
+    elif max_grad_norm == LATE:  # the buckets stepped before the norm crossed 1.0 roll back
+        assert counters.rollbacks >= 1 and counters.replays == counters.rollbacks
+    else:  # the first bucket already proves clipping: the engine stops speculating at once
+        assert counters.rollbacks == counters.speculative_steps
+
+
+def test_default_superoffload_config_matches_stock_adamw_at_the_default_max_grad_norm(tmp_path):
+    stock = train(make_args(tmp_path, "stock", superoffload=False, max_grad_norm=1.0))
+    offload = train(make_args(tmp_path, "offload", max_grad_norm=1.0,
+                              superoffload_config={"host_kernel": "reference"}))
+    assert_same_training(stock, offload)
+
+
+def test_gradient_accumulation_matches_stock_adamw(tmp_path):
+    overrides = dict(gradient_accumulation_steps=3, per_device_train_batch_size=2, max_grad_norm=0.5)
+    stock = train(make_args(tmp_path, "stock", superoffload=False, **overrides))
+    offload = train(make_args(tmp_path, "offload", **overrides))
+    assert_same_training(stock, offload)
+    assert unwrap_optimizer(offload.optimizer).counters.steps == STEPS
+
+
+def test_engine_counters_appear_in_every_training_log_record(tmp_path):
+    trainer = train(make_args(tmp_path, "offload", max_grad_norm=1.0))
+    keys = {LOG_PREFIX + name for name in ("rollbacks", "replays", "skips", "speculative_steps",
+                                            "host_step_s", "device_wait_s")}
+    for record in train_logs(trainer):
+        assert keys <= set(record), sorted(set(record))
+    assert train_logs(trainer)[-1][LOG_PREFIX + "skips"] == 0
+    names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
+    assert names.index("SuperOffloadCallback") == names.index("DefaultFlowCallback") + 1
+    assert names.index("SuperOffloadCallback") < names.index("PrinterCallback")
+
+
+class RecordSynchronize(TrainerCallback):
+    """Records the global step of every optimizer.synchronize() and of every checkpoint save."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        inner = unwrap_optimizer(optimizer)
+        synchronize = inner.synchronize
+        inner.synchronize = lambda: self.events.append(("sync", state.global_step)) or synchronize()
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(("save", state.global_step))
+
+
+def test_weights_are_synchronized_before_each_checkpoint_and_when_training_ends(tmp_path):
+    record = RecordSynchronize()
+    train(make_args(tmp_path, "offload", max_steps=5, save_strategy="steps", save_steps=2),
+          callbacks=[record])
+    # Checkpoint saves read the weights outside a forward; other steps keep their overlap.
+    assert [e for e in record.events if e[0] == "sync"][:2] == [("sync", 2), ("sync", 4)]
+    assert record.events.index(("sync", 2)) < record.events.index(("save", 2))
+    assert record.events[-1][0] == "sync" and record.events[-1][1] == 5
+    assert ("sync", 1) not in record.events and ("sync", 3) not in record.events
+
+
+class NonFiniteLossAt(Trainer):
+    """Makes the loss (hence every gradient) NaN on one optimizer step."""
+
+    poisoned_step = 2
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return loss * float("nan") if self.state.global_step == self.poisoned_step else loss
+
+
+def test_a_skipped_step_does_not_advance_the_lr_scheduler(tmp_path):
+    args = make_args(tmp_path, "offload", lr_scheduler_type="linear")
+    trainer = train(args, trainer_cls=NonFiniteLossAt)
+    logs = train_logs(trainer)
+    rates = [record["learning_rate"] for record in logs]
+    assert rates[NonFiniteLossAt.poisoned_step + 1] == rates[NonFiniteLossAt.poisoned_step]
+    assert trainer.lr_scheduler.last_epoch == STEPS - 1
+    assert logs[-1][LOG_PREFIX + "skips"] == 1
+    assert unwrap_optimizer(trainer.optimizer).counters.steps == STEPS - 1
+
+
+def test_fp16_device_dtype_scales_the_loss_in_the_optimizer_not_a_grad_scaler(tmp_path):
+    """fp16 on the CPU: the config's device_dtype (Accelerate refuses fp16=True without a GPU)."""
+    stock = train(make_args(tmp_path, "stock", superoffload=False, max_steps=1))
+    trainer = train(make_args(tmp_path, "fp16", max_steps=1,
+                              superoffload_config={**SPECULATE, "device_dtype": "fp16"}))
+    assert isinstance(trainer.accelerator.scaler, SuperOffloadLossScaler)
+    assert next(trainer.model.parameters()).dtype == torch.float16
+    (record,) = train_logs(trainer)
+    assert record[LOG_PREFIX + "loss_scale"] == 2.0**16
+    # Scaled by 2**16 for backward, unscaled once by the optimizer: the fp32 norm up to fp16 rounding.
+    assert record["grad_norm"] == pytest.approx(train_logs(stock)[0]["grad_norm"], rel=2e-2)
+
+
+def test_trainer_without_superoffload_is_the_stock_trainer(tmp_path):
+    trainer = train(make_args(tmp_path, "stock", superoffload=False, max_steps=1))
+    assert trainer.superoffload is None
+    assert type(trainer.optimizer.optimizer) is torch.optim.AdamW
+
+
+# ---- checkpoint and resume -----------------------------------------------------------------------
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+class CaptureOptimizerState(TrainerCallback):
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.state_dict = unwrap_optimizer(optimizer).state_dict()
+
+
+def assert_nested_equal(actual, expected, where="state_dict"):
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), where
+        for key in expected:
+            assert_nested_equal(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_nested_equal(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, where
+
+
+def test_resume_from_checkpoint_continues_bit_identically(tmp_path):
+    overrides = dict(max_steps=8, save_strategy="steps", save_steps=4, max_grad_norm=0.5)
+    uninterrupted = train(make_args(tmp_path, "straight", **overrides))
+    train(make_args(tmp_path, "interrupted", **overrides), callbacks=[StopAt(4)])
+    checkpoint = tmp_path / "interrupted" / "checkpoint-4"
+    capture = CaptureOptimizerState()
+    resumed = train(make_args(tmp_path, "interrupted", **overrides), callbacks=[capture],
+                    resume=str(checkpoint))
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert_nested_equal(capture.state_dict, saved)  # restored, not re-initialised
+    for (name, expected), (_, actual) in zip(uninterrupted.model.named_parameters(),
+                                             resumed.model.named_parameters()):
+        assert torch.equal(actual, expected), name
+    assert train_logs(resumed)[-1]["loss"] == train_logs(uninterrupted)[-1]["loss"]
+
+
+def test_resume_without_the_optimizer_state_would_diverge(tmp_path):
+    """The resume test above can fail: dropping optimizer.pt changes the result."""
+    overrides = dict(max_steps=8, save_strategy="steps", save_steps=4, max_grad_norm=0.5)
+    uninterrupted = train(make_args(tmp_path, "straight", **overrides))
+    train(make_args(tmp_path, "interrupted", **overrides), callbacks=[StopAt(4)])
+    checkpoint = tmp_path / "interrupted" / "checkpoint-4"
+    os.remove(checkpoint / "optimizer.pt")
+    resumed = train(make_args(tmp_path, "interrupted", **overrides), resume=str(checkpoint))
+    differs = [not torch.equal(a, b) for a, b in zip(uninterrupted.model.parameters(), resumed.model.parameters())]
+    assert any(differs)
+
+
+# ---- arguments -------------------------------------------------------------------------------------
+
+
+def parse(argv: list[str]) -> TrainingArguments:
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
+    return args
+
+
+def test_hf_argument_parser_parses_superoffload_flags(tmp_path):
+    config = tmp_path / "so.yaml"
+    config.write_text(yaml.safe_dump({"speculation": "off", "device_dtype": "fp32"}))
+    args = parse(["--output_dir", str(tmp_path), "--superoffload", "--superoffload_config", str(config)])
+    assert args.superoffload is True
+    plugin = args.superoffload_plugin()
+    assert plugin.explicit_fields() == {"speculation": "off", "device_dtype": "fp32"}
+    assert plugin.to_config("no").speculation == "off"
+    assert parse(["--output_dir", str(tmp_path)]).superoffload is False
+
+
+def test_optim_superoffload_adamw_is_a_synonym_for_superoffload(tmp_path):
+    args = parse(["--output_dir", str(tmp_path), "--optim", "superoffload_adamw"])
+    assert args.superoffload is True
+    assert args.optim.value == "adamw_torch"
+
+
+def test_superoffload_config_alone_turns_superoffload_on_and_accepts_json(tmp_path):
+    args = parse(["--output_dir", str(tmp_path), "--superoffload_config", '{"speculation": "on"}'])
+    assert args.superoffload is True
+    assert args.superoffload_config == {"speculation": "on"}
+    json.dumps(args.to_dict())  # still serialisable for logs and checkpoints
+
+
+def test_unknown_superoffload_key_fails_with_a_clear_message(tmp_path):
+    config = tmp_path / "so.yaml"
+    config.write_text(yaml.safe_dump({"speculaton": "off"}))
+    with pytest.raises(ConfigError, match=r"speculaton.*valid keys are .*speculation"):
+        parse(["--output_dir", str(tmp_path), "--superoffload", "--superoffload_config", str(config)])
+    with pytest.raises(ConfigError, match="rollback"):
+        TrainingArguments(output_dir=str(tmp_path), superoffload_config={"rollback": "undo"})
+
+
+@pytest.mark.parametrize("flag", [["--deepspeed", "ds.json"], ["--fsdp"], ["--optim", "adafactor"]])
+def test_superoffload_refuses_what_it_cannot_combine_with(tmp_path, flag):
+    with pytest.raises(ValueError, match="superoffload"):
+        parse(["--output_dir", str(tmp_path), "--superoffload", *flag])
+
+
+@pytest.mark.parametrize(
+    "flags, device_dtype",
+    [({}, "fp32"), ({"bf16": True}, "bf16"), ({"superoffload_config": {"device_dtype": "bf16"}}, "bf16"),
+     ({"bf16": True, "superoffload_config": {"device_dtype": "fp32"}}, "fp32")],
+    ids=["full_precision", "bf16_flag", "config_bf16", "config_fp32_under_bf16_autocast"],
+)
+def test_device_dtype_follows_the_precision_flags_unless_the_config_sets_it(tmp_path, flags, device_dtype):
+    values = {"superoffload_config": {"host_kernel": "reference"}, **flags}
+    values["superoffload_config"] = {"host_kernel": "reference", **values["superoffload_config"]}
+    trainer = Trainer(model=tiny_llama(num_layers=1), args=TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", **values))
+    trainer.create_optimizer()
+    assert unwrap_optimizer(trainer.optimizer).config.device_dtype == device_dtype
+
+
+def test_conflicting_device_dtype_and_precision_flag_fail(tmp_path):
+    with pytest.raises(ConfigError, match="device_dtype"):
+        TrainingArguments(output_dir=str(tmp_path), bf16=True, superoffload_config={"device_dtype": "fp16"})
+
+
+def test_a_user_optimizer_that_is_not_superoffload_is_refused(tmp_path):
+    model = tiny_llama(num_layers=1)
+    trainer = Trainer(model=model, args=make_args(tmp_path, "x"),
+                      optimizers=(torch.optim.AdamW(model.parameters()), None))
+    with pytest.raises(TypeError, match="SuperOffloadAdamW"):
+        trainer.create_optimizer()
+
+
+def test_missing_trainer_hook_points_fail_with_a_clear_message():
+    class OldTrainer:
+        def create_optimizer(self):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"_clip_grad_norm.*_get_grad_norm.*transformers 5\.17"):
+        check_hook_points(OldTrainer)
+
+
+def test_importing_the_core_does_not_import_transformers_or_accelerate():
+    probe = "import sys, superoffload_hf; print([m for m in ('transformers', 'accelerate') if m in sys.modules])"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]"]
+    from superoffload_hf import SuperOffloadCallback as callback_cls, SuperOffloadPlugin as plugin_cls
+    from superoffload_hf import Trainer as trainer_cls, TrainingArguments as args_cls
+
+    assert (trainer_cls, args_cls, callback_cls) == (Trainer, TrainingArguments, SuperOffloadCallback)
+    assert plugin_cls.__module__ == "superoffload_hf.integrations.accelerate"
