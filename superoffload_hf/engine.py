@@ -221,6 +221,7 @@ class Engine:
 
     def step(self, max_grad_norm: Optional[float]) -> Decision:
         self.worker.raise_if_failed()
+        self.transfer.fence()  # CUDA: this step's copy-backs wait for kernels queued before step()
         self._adopt_unhooked_grads()
         self._finish_collection()
         decision = decide(self._global_sum_squares(), self.loss_scale.scale, max_grad_norm)

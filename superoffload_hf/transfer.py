@@ -39,6 +39,9 @@ class SyncTransfer:
             for p, offset in zip(params, offsets):
                 p.detach().copy_(src_host[offset:offset + p.numel()].view(p.shape))
 
+    def fence(self) -> None:
+        pass  # copies run at once: nothing queued can be overtaken
+
     def wait_host(self, event: Optional[object]) -> None:
         pass
 
@@ -54,6 +57,7 @@ class CudaTransfer:
         self.pin_memory = pin_memory
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
+        self._fence: Optional[torch.cuda.Event] = None  # see fence()
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         # Page-locked, so the copies below are truly asynchronous DMA transfers.
@@ -78,19 +82,39 @@ class CudaTransfer:
         # the host (it waited on their d2h event), so every compute-stream kernel that reads
         # these parameters in this backward has already run. The next forward waits on the
         # returned event before it reads them (wait_device).
-        with torch.no_grad(), torch.cuda.stream(self.h2d):
+        # Runs in the worker thread, whose current device is cuda:0 by default: without the
+        # device guard, leaving torch.cuda.stream() would cudaSetDevice(0) and create a stray
+        # context on GPU 0 when the parameters live on another GPU (one process per GPU).
+        with torch.no_grad(), torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+            if self._fence is not None:  # kernels queued before step() (e.g. an evaluation
+                self.h2d.wait_event(self._fence)  # forward) still read the old weights
             staged_dev = torch.empty(src_host.numel(), dtype=src_host.dtype, device=self.device)
             staged_dev.copy_(src_host, non_blocking=True)  # reads src_host when it runs: the
             # host must not modify it before the event below (the engine waits via wait_host).
             for p, offset in zip(params, offsets):
                 p.detach().copy_(staged_dev[offset:offset + p.numel()].view(p.shape))  # casts here
+                # p's memory belongs to the compute stream's pool: if p is freed or replaced
+                # (model.to(...)) before a wait on the event below, keep it from being reused
+                # while this copy may still write it.
+                p.detach().record_stream(self.h2d)
             done = torch.cuda.Event()
             done.record(self.h2d)
         return done
 
+    def fence(self) -> None:
+        """Called by the engine on the training thread at step(), before it queues the step's
+        host jobs: their copy-backs run after every kernel queued so far on the current
+        stream. (The worker's wait on a bucket's d2h event only covers kernels queued before
+        that bucket's gradients were flushed; a forward run between backward and step() is
+        queued later and must still read the weights of before the step.)"""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._fence = event  # read by the worker thread in params_to_device
+
     def wait_host(self, event: Optional[torch.cuda.Event]) -> None:
         if event is not None:
-            event.synchronize()  # blocks only the calling thread, only until this copy ran
+            with torch.cuda.device(self.device):  # the worker thread: no stray context on GPU 0
+                event.synchronize()  # blocks only the calling thread, only until this copy ran
 
     def wait_device(self, event: Optional[torch.cuda.Event]) -> None:
         if event is not None:

@@ -308,6 +308,24 @@ def test_step_returning_early_lets_the_next_forward_wait_per_bucket():
         assert_models_close(model, ref, "after 4 steps")
 
 
+def test_step_fences_the_device_stream_before_queuing_its_copy_backs():
+    """On CUDA, the copy-backs queued by step() must wait for kernels queued before step() (an
+    evaluation forward between backward and step() reads the old weights): step() fences first."""
+    model, opt = make({"speculation": "off"})
+    transfer, log = opt._engine.transfer, []
+    fence, to_device = transfer.fence, transfer.params_to_device
+    transfer.fence = lambda: log.append("fence") or fence()
+    transfer.params_to_device = lambda *args: log.append("copy") or to_device(*args)
+    with opt:
+        for step in range(3):
+            log.append("backward")
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+    steps = " ".join(log).split("backward")[1:]
+    assert len(steps) == 3 and all("copy" in s and s.index("fence") < s.index("copy") for s in steps), log
+
+
 def test_state_dict_round_trip_continues_bit_identically(tmp_path):
     config = {"speculation": "on"}
     model, opt = make(config)
