@@ -114,6 +114,15 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         return self._engine.plan
 
     @property
+    def host_adam(self):
+        """The host Adam back end in use: `.name` ("cpp" or "reference"), `.isa`, `.threads`."""
+        return self._engine.adam
+
+    def describe(self) -> str:
+        """One line: buckets, device dtype, cast, speculation, rollback, host Adam back end/ISA/threads."""
+        return self._engine.summary()
+
+    @property
     def loss_scale(self) -> float:
         return float(self._engine.loss_scale.scale)
 

@@ -411,3 +411,14 @@ def test_config_can_be_a_dict_or_a_config_and_the_plan_prints():
     with SuperOffloadAdamW(model.parameters(), config=SuperOffloadConfig(**BASE)) as opt:
         text = str(opt.plan)
         assert text.startswith("BucketPlan:") and len(opt.plan.buckets) >= 4
+
+
+def test_the_optimizer_names_its_host_adam_back_end_and_thread_count():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = SuperOffloadAdamW(model.parameters(), config={"device_dtype": "fp32", "host_threads": 2,
+                                                        "host_kernel": "reference"})
+    try:
+        assert (opt.host_adam.name, opt.host_adam.threads) == ("reference", 2)
+        assert "host Adam reference/none x2 threads" in opt.describe()
+    finally:
+        opt.close()
