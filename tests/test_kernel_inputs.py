@@ -104,8 +104,9 @@ def test_sum_squares_rejects_bad_gradients(cpp_adam, grad):
 
 def test_empty_buffers_are_a_no_op(cpp_adam, isa):
     empty = [torch.empty(0) for _ in range(4)]
-    cpp_adam(isa).adam_step_(*empty, param_lowp=torch.empty(0, dtype=torch.float16), **HYPERS[1])
-    cpp_adam(isa).adam_rollback_(*empty, **HYPERS[1])
+    assert cpp_adam(isa).adam_step_(*empty, param_lowp=torch.empty(0, dtype=torch.float16), **HYPERS[1]) is None
+    assert cpp_adam(isa).adam_rollback_(*empty, **HYPERS[1]) is None
+    assert cpp_adam(isa).sum_squares(torch.empty(0)) == 0.0
 
 
 @pytest.mark.parametrize("threads", [0, -1, 2.5, True])
@@ -124,6 +125,10 @@ def test_bad_hyperparameter_is_named_in_the_error_by_both_back_ends(cpp_adam, na
 
 
 def test_tensor_learning_rate_is_accepted(cpp_adam):
-    buffers = good_buffers()
-    lowp = buffers.pop("param_lowp")
-    cpp_adam("scalar").adam_step_(*buffers.values(), param_lowp=lowp, **dict(HYPERS[1], lr=torch.tensor(1e-3)))
+    with_tensor, with_float = good_buffers(), good_buffers()
+    lowp_t, lowp_f = with_tensor.pop("param_lowp"), with_float.pop("param_lowp")
+    cpp_adam("scalar").adam_step_(*with_tensor.values(), param_lowp=lowp_t, **dict(HYPERS[1], lr=torch.tensor(1e-3)))
+    cpp_adam("scalar").adam_step_(*with_float.values(), param_lowp=lowp_f, **dict(HYPERS[1], lr=1e-3))
+    for name in ("param", "exp_avg", "exp_avg_sq"):  # a one-element tensor lr is the same as its float
+        assert torch.equal(with_tensor[name], with_float[name]), name
+    assert torch.equal(lowp_t, lowp_f)

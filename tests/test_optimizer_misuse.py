@@ -54,7 +54,10 @@ def test_config_from_a_yaml_path_is_used(tmp_path):
     path.write_text('device_dtype: fp32\nbucket_size_mb: 0.02\ndevice_buckets: 0\nspeculation: "off"\n')
     opt = SuperOffloadAdamW(small_model().parameters(), config=path)
     try:
+        assert (opt.config.device_dtype, opt.config.bucket_size_mb, opt.config.speculation) == ("fp32", 0.02, "off")
+        assert opt.plan.num_device_buckets == 0
         model_loss_step(opt)
+        assert opt.counters.steps == 1 and opt.counters.speculative_steps == 0
     finally:
         opt.close()
 
