@@ -242,7 +242,9 @@ def test_gradient_accumulation_of_four_matches_torch(speculation, source):
         pair, sync_flag = make_pair(speculation), {"last": False}
         pair.opt.set_gradient_sync_source(lambda: sync_flag["last"])
     try:
-        run_side_by_side(pair, FEATURE_CLIPPING, accumulation=4, sync_flag=sync_flag)
+        skipped = run_side_by_side(pair, FEATURE_CLIPPING, accumulation=4, sync_flag=sync_flag)
+        # one optimizer step per accumulation step of four micro-batches, none skipped
+        assert skipped == [False] * STEPS and pair.opt.counters.steps == STEPS, pair.opt.counters.as_dict()
     finally:
         pair.close()
 
@@ -280,7 +282,10 @@ def test_two_param_groups_match_torch(speculation, kind):
 def test_adam_with_l2_weight_decay_matches_torch_adam(speculation):
     pair = make_pair(speculation, kind="adam", weight_decay=0.05)
     try:
-        run_side_by_side(pair, FEATURE_CLIPPING)
+        assert isinstance(pair.opt, SuperOffloadAdam) and isinstance(pair.ref_opt, torch.optim.Adam)
+        assert not isinstance(pair.ref_opt, torch.optim.AdamW)
+        skipped = run_side_by_side(pair, FEATURE_CLIPPING)
+        assert pair.opt.counters.steps == skipped.count(False) > 0
     finally:
         pair.close()
 
@@ -310,7 +315,9 @@ def test_tied_embeddings_match_torch(speculation):
 def test_other_device_bucket_counts_match_torch(device_buckets):
     pair = make_pair("on", device_buckets=device_buckets)
     try:
+        assert pair.opt.plan.num_device_buckets == device_buckets
         run_side_by_side(pair, FEATURE_CLIPPING, steps=10)
+        assert pair.opt.counters.speculative_steps > 0, pair.opt.counters.as_dict()
     finally:
         pair.close()
 
@@ -548,6 +555,7 @@ def test_zero_grad_between_backward_and_step_discards_those_gradients(speculatio
                 pair.model(**micro_batches(100 + step)[0]).loss.backward()
                 pair.opt.zero_grad()
             run_side_by_side_step(pair, FEATURE_CLIPPING, step)
+        assert pair.opt.counters.steps + pair.opt.counters.skips == 6  # abandoned backwards are not steps
     finally:
         pair.close()
 
@@ -585,6 +593,8 @@ def test_gradient_checkpointing_recomputation_matches_torch(device_buckets):
         for model in (pair.model, pair.ref_model):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
+            assert model.is_gradient_checkpointing
         run_side_by_side(pair, FEATURE_CLIPPING, steps=8)
+        assert pair.opt.counters.speculative_steps > 0, pair.opt.counters.as_dict()
     finally:
         pair.close()
