@@ -12,7 +12,7 @@ with an fp32 gradient (read p, g, m, v: 16; write p, m, v: 12, and the bf16 copy
 bf16 gradient, whatever a contender moves in fact (the unfused ones move p twice).
 
 Before timing, each contender takes one step on fresh buffers and is checked against the float64
-reference (superoffload_hf.reference) element by element, and its bf16 copy against its own
+reference (superoffload_hf.host.reference) element by element, and its bf16 copy against its own
 fp32 result bit for bit. Contenders are then interleaved (a rotating order per repetition)
 and medians are reported.
 
@@ -43,8 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from superoffload_hf import reference  # noqa: E402
-from superoffload_hf.kernel import get_host_adam  # noqa: E402
+from superoffload_hf.host import reference  # noqa: E402
+from superoffload_hf.host.kernel import get_host_adam  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 FIRST_STEP = 5  # checks run step 5 from a non-zero state, so bias correction is exercised

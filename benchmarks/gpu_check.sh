@@ -39,7 +39,7 @@ part() {
 }
 
 part kernel 120 $PY -c "
-from superoffload_hf import kernel
+from superoffload_hf.host import kernel
 adam = kernel.get_host_adam('cpp')
 print(kernel.describe(adam))"
 

@@ -3,7 +3,7 @@
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.metrics import OffloadCounters
 from superoffload_hf.optimizer import SuperOffloadAdam, SuperOffloadAdamW
-from superoffload_hf.plan import BucketPlan
+from superoffload_hf.engine.plan import BucketPlan
 
 __all__ = ["BucketPlan", "ConfigError", "OffloadCounters", "SuperOffloadAdam", "SuperOffloadAdamW",
            "SuperOffloadConfig"]

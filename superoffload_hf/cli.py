@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from superoffload_hf.config import ConfigError
-from superoffload_hf.recipe import Recipe, RecipeError, load_recipe
+from superoffload_hf.train.recipe import Recipe, RecipeError, load_recipe
 
 USAGE = """usage: superoffload train RECIPE.yaml [--dry-run] [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
@@ -76,7 +76,7 @@ def _dump_yaml(values: dict) -> str:
 
 
 def build_tokenizer(recipe: Recipe) -> Any:
-    from superoffload_hf.tokenizer import pretrained_tokenizer, shipped_tokenizer
+    from superoffload_hf.train.tokenizer import pretrained_tokenizer, shipped_tokenizer
 
     if recipe.tokenizer.shipped:
         return shipped_tokenizer(recipe.tokenizer.vocab_size)
@@ -142,7 +142,7 @@ def train(recipe: Recipe) -> "TrainSummary":
     from transformers import default_data_collator, set_seed
 
     from superoffload_hf import Trainer
-    from superoffload_hf.data import build_dataset
+    from superoffload_hf.train.data import build_dataset
 
     args = build_training_arguments(recipe)
     set_seed(args.seed)  # before the model is built: a random init is reproducible

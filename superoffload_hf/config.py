@@ -48,7 +48,7 @@ class SuperOffloadConfig:
 
     rollback: str = "inverse"
     """How a speculative step is undone. "inverse": invert the Adam update algebraically (a few
-    ulp, see `superoffload_hf.reference.adam_rollback_`). "snapshot": keep a copy of the state
+    ulp, see `superoffload_hf.host.reference.adam_rollback_`). "snapshot": keep a copy of the state
     before each speculative step and restore it bit-exactly (costs one extra copy of the host
     state in memory traffic and 12 bytes per parameter of host memory)."""
 

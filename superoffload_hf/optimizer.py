@@ -28,11 +28,11 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from superoffload_hf import checkpoint
+from superoffload_hf.engine import checkpoint
 from superoffload_hf.config import SuperOffloadConfig
-from superoffload_hf.engine import Engine
+from superoffload_hf.engine.core import Engine
 from superoffload_hf.metrics import OffloadCounters
-from superoffload_hf.plan import BucketPlan
+from superoffload_hf.engine.plan import BucketPlan
 
 ConfigLike = Union[SuperOffloadConfig, Mapping[str, Any], str, None]
 

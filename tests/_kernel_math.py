@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from superoffload_hf import reference
+from superoffload_hf.host import reference
 
 # Hyperparameter sets covering: first step, AdamW with decay, Adam with L2, no bias correction,
 # grad_scale != 1 (inexact in binary and a power of two), betas other than the defaults.

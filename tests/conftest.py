@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from superoffload_hf import kernel
+from superoffload_hf.host import kernel
 
 # The ISA paths this architecture builds (the Arm ones have their own native tests as well).
 ARCH_ISAS = {"x86_64": ["scalar", "avx2", "avx512"], "aarch64": ["scalar", "neon", "sve"]}

@@ -174,7 +174,7 @@ def test_console_script_is_the_cli_main():
 
 def test_corpus_is_declared_package_data():
     package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert "corpus/*.txt" in package_data["superoffload_hf"]
+    assert "train/corpus/*.txt" in package_data["superoffload_hf"]
 
 
 def test_launch_forwards_every_argument_to_the_launcher(monkeypatch):

@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-from superoffload_hf.corpus import corpus_files, corpus_texts
-from superoffload_hf.data import PackedDataset, build_dataset, pack, read_documents, tokenize_documents
-from superoffload_hf.recipe import DataSpec, RecipeError
-from superoffload_hf.tokenizer import EOS_TOKEN, PAD_TOKEN, shipped_tokenizer
+from superoffload_hf.train.corpus import corpus_files, corpus_texts
+from superoffload_hf.train.data import PackedDataset, build_dataset, pack, read_documents, tokenize_documents
+from superoffload_hf.train.recipe import DataSpec, RecipeError
+from superoffload_hf.train.tokenizer import EOS_TOKEN, PAD_TOKEN, shipped_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from superoffload_hf import SuperOffloadAdamW, SuperOffloadConfig
-from superoffload_hf.hooks import HeldGrad
+from superoffload_hf.engine.hooks import HeldGrad
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _kernel_math import HYPERS, clone_all, random_state
-from superoffload_hf import kernel
+from superoffload_hf.host import kernel
 
 N = 37
 

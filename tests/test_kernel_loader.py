@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from superoffload_hf import kernel
+from superoffload_hf.host import kernel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -143,7 +143,7 @@ def test_stale_torch_lock_file_does_not_hang_and_concurrent_loads_agree(grace_ad
     (cache / name / "lock").write_text("")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", **{kernel.CACHE_DIR_ENV: str(cache)})
     env.pop(kernel.FORCE_REFERENCE_ENV, None)
-    code = "from superoffload_hf import kernel; print(kernel.load_extension().__name__)"
+    code = "from superoffload_hf.host import kernel; print(kernel.load_extension().__name__)"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     try:

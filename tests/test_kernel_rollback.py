@@ -17,7 +17,7 @@ import torch
 
 from _kernel_math import (HYPERS, assert_errors_within, clone_all, errors_in_ulps,
                           expected_step, random_state, rollback_errors, rollback_units)
-from superoffload_hf.reference import rollback_error_bound_ulps, rollback_error_bound_ulps_l2
+from superoffload_hf.host.reference import rollback_error_bound_ulps, rollback_error_bound_ulps_l2
 
 ADVERSARIAL_HYPERS = [  # large lr and decay, no bias correction: updates dwarf small parameters
     dict(step=1, lr=0.1, beta1=0.99, beta2=0.9, eps=1e-8, weight_decay=1.0, adamw=False,

@@ -15,7 +15,7 @@ import transformers
 import yaml
 from accelerate.commands.config import load_config_from_file
 
-from superoffload_hf.integrations import autopatch, launcher
+from superoffload_hf.integrations import autopatch, launch_env, launcher
 from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptimizer
 from superoffload_hf.integrations.callback import LOG_PREFIX
 
@@ -123,7 +123,7 @@ def test_autopatch_gives_a_stock_trainer_superoffload(tmp_path, monkeypatch):
     class StockTrainer(transformers.Trainer):  # a stand-in, so the real class stays unpatched
         pass
 
-    monkeypatch.setattr(autopatch, "_launch_block", {"host_kernel": "reference", "speculation": "on"})
+    monkeypatch.setattr(launch_env, "_launch_block", {"host_kernel": "reference", "speculation": "on"})
     autopatch.patch_trainer_class(StockTrainer)
     autopatch.patch_trainer_class(StockTrainer)  # idempotent
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from superoffload_hf import SuperOffloadAdam, SuperOffloadAdamW
-from superoffload_hf.reference import rollback_error_bound_ulps
+from superoffload_hf.host.reference import rollback_error_bound_ulps
 
 from _models import (  # noqa: F401  (one_torch_thread is a fixture)
     GradPoison,

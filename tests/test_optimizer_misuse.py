@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from superoffload_hf import ConfigError, SuperOffloadAdam, SuperOffloadAdamW
-from superoffload_hf.kernel import get_host_adam
+from superoffload_hf.host.kernel import get_host_adam
 
 from _models import engine_config, micro_batches, one_torch_thread, tiny_llama  # noqa: F401
 

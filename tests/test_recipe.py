@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from superoffload_hf.recipe import (
+from superoffload_hf.train.recipe import (
     Recipe,
     RecipeError,
     apply_overrides,

@@ -23,7 +23,8 @@ from transformers import HfArgumentParser, TrainerCallback
 from superoffload_hf.config import ConfigError
 from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptimizer, SuperOffloadLossScaler
 from superoffload_hf.integrations.callback import LOG_PREFIX, SuperOffloadCallback, unwrap_optimizer
-from superoffload_hf.integrations.trainer import Trainer, TrainingArguments, check_hook_points
+from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
+from superoffload_hf.integrations.trainer_hooks import check_hook_points
 
 from _models import tiny_batch, tiny_llama
 

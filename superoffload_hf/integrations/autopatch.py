@@ -28,33 +28,23 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
-CONFIG_ENV_VAR = "SUPEROFFLOAD_CONFIG_JSON"
+from superoffload_hf.integrations import launch_env
+from superoffload_hf.integrations.launch_env import CONFIG_ENV_VAR, launch_plugin  # noqa: F401
+
 TRAINER_MODULE = "transformers.trainer"
-
-_launch_block: Optional[dict[str, Any]] = None
-
-
-def launch_plugin():
-    """The `superoffload:` block this process was launched with (a SuperOffloadPlugin), or None."""
-    if _launch_block is None:
-        return None
-    from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
-
-    return SuperOffloadPlugin.from_dict(_launch_block)
 
 
 def install_from_environment(environ: Mapping[str, str] = os.environ) -> bool:
     """Arm the Trainer patch when `SUPEROFFLOAD_CONFIG_JSON` is set; True when armed."""
-    global _launch_block
     raw = environ.get(CONFIG_ENV_VAR)
     if raw is None:
         return False
     block = json.loads(raw)
     if not isinstance(block, dict):
         raise ValueError(f"{CONFIG_ENV_VAR} must hold a JSON object of SuperOffloadConfig fields, got {raw!r}.")
-    _launch_block = block
+    launch_env.set_launch_block(block)
     _show_superoffload_logs()
     if TRAINER_MODULE in sys.modules:
         _patch_trainer_module(sys.modules[TRAINER_MODULE])
@@ -87,9 +77,9 @@ def patch_trainer_class(trainer_cls: type) -> None:
     @functools.wraps(original_init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        from superoffload_hf.integrations.trainer import SuperOffloadHooks, Trainer
+        from superoffload_hf.integrations.trainer_hooks import SuperOffloadHooks
 
-        if not isinstance(self, Trainer):  # ours attaches itself, with its own arguments first
+        if not getattr(self, "_superoffload_attaches_itself", False):  # ours: its own arguments first
             SuperOffloadHooks(self, launch_plugin()).bind_to_trainer()
 
     __init__._superoffload_patched = True

@@ -15,38 +15,25 @@ launcher's autopatch (`autopatch.py`) binds them onto a stock `transformers.Trai
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-import transformers
-from transformers import DefaultFlowCallback
 from transformers import Trainer as HFTrainer
 from transformers import TrainingArguments as HFTrainingArguments
 
-from superoffload_hf.integrations.accelerate import (
-    SuperOffloadAcceleratedOptimizer,
-    SuperOffloadPlugin,
-    check_accelerator_supported,
-    check_superoffload_optimizer,
-    decay_param_groups,
-    wrap_optimizer,
+from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
+from superoffload_hf.integrations.launch_env import launch_plugin
+from superoffload_hf.integrations.trainer_hooks import (
+    _HF_DEFAULT_OPTIM,
+    _REPLACEABLE_OPTIMS,
+    OPTIM_SYNONYM,
+    SuperOffloadHooks,
+    _optim_name,
 )
-from superoffload_hf.integrations.autopatch import launch_plugin
-from superoffload_hf.integrations.callback import SuperOffloadCallback, unwrap_optimizer
-from superoffload_hf.optimizer import SuperOffloadAdamW
 
 logger = logging.getLogger(__name__)
-
-OPTIM_SYNONYM = "superoffload_adamw"
-_HF_DEFAULT_OPTIM = {f.name: f for f in dataclasses.fields(HFTrainingArguments)}["optim"].default
-# `optim` values that superoffload=True replaces silently (they name AdamW); others conflict.
-_REPLACEABLE_OPTIMS = {_HF_DEFAULT_OPTIM, "adamw_torch", "adamw_torch_fused", OPTIM_SYNONYM}
-# The Trainer methods superoffload replaces; a transformers without them is not supported.
-HOOKED_TRAINER_METHODS = ("create_optimizer", "_clip_grad_norm", "_get_grad_norm")
-
 
 @dataclass
 class TrainingArguments(HFTrainingArguments):
@@ -108,13 +95,11 @@ class TrainingArguments(HFTrainingArguments):
                 )
 
 
-def _optim_name(optim: Any) -> str:
-    return str(getattr(optim, "value", optim))
-
-
 class Trainer(HFTrainer):
     """transformers.Trainer that trains with SuperOffloadAdamW when `args.superoffload` is set
     (or when started by `superoffload launch`). Otherwise it is the stock Trainer."""
+
+    _superoffload_attaches_itself = True  # the launcher's autopatch leaves it alone
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -138,100 +123,3 @@ class Trainer(HFTrainer):
         return self.superoffload.get_grad_norm(model, grad_norm=grad_norm)
 
 
-class SuperOffloadHooks:
-    """The three Trainer methods superoffload changes, for one Trainer, plus its callback."""
-
-    def __init__(self, trainer: HFTrainer, plugin: SuperOffloadPlugin):
-        check_hook_points(type(trainer))
-        check_trainer_supported(trainer)
-        self.trainer = trainer
-        self.plugin = plugin
-        self.callback = SuperOffloadCallback()
-        insert_after_flow_callback(trainer.callback_handler.callbacks, self.callback)
-
-    def bind_to_trainer(self) -> None:
-        """Bind the hooks onto a stock Trainer instance (what the launcher's autopatch does)."""
-        trainer = self.trainer
-        trainer.superoffload = self
-        trainer.create_optimizer = self.create_optimizer
-        trainer._clip_grad_norm = self.clip_grad_norm
-        trainer._get_grad_norm = self.get_grad_norm
-
-    def create_optimizer(self, model=None):
-        trainer = self.trainer
-        if trainer.optimizer is None:
-            trainer.optimizer = self._build_optimizer(trainer.model if model is None else model)
-        elif not isinstance(trainer.optimizer, SuperOffloadAcceleratedOptimizer):
-            check_superoffload_optimizer(trainer.optimizer)  # optimizers=(SuperOffloadAdamW(...), ...)
-            trainer.optimizer.max_grad_norm = max_grad_norm(trainer.args)
-            trainer.optimizer = wrap_optimizer(trainer.accelerator, trainer.optimizer)
-        return trainer.optimizer
-
-    def _build_optimizer(self, model) -> SuperOffloadAcceleratedOptimizer:
-        trainer, args = self.trainer, self.trainer.args
-        if trainer.optimizer_cls_and_kwargs is not None:
-            raise ValueError(
-                "superoffload builds its own optimizer, but the Trainer got `optimizer_cls_and_kwargs`. "
-                "Drop it, or turn superoffload off."
-            )
-        decay_names = set(trainer.get_decay_parameter_names(model))
-        groups = decay_param_groups(model, lambda name: name not in decay_names, args.weight_decay)
-        config = self.plugin.to_config(trainer.accelerator.mixed_precision)
-        _warn_if_optim_replaced(args)
-        optimizer = SuperOffloadAdamW(
-            groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-            weight_decay=args.weight_decay, max_grad_norm=max_grad_norm(args), config=config,
-        )
-        logger.info("%s replaces the Trainer's optimizer: param groups (weight_decay, tensors) %s, "
-                    "max_grad_norm %s, device dtype %s", type(optimizer).__name__,
-                    [(g["weight_decay"], len(g["params"])) for g in groups], max_grad_norm(args),
-                    config.device_dtype)
-        return wrap_optimizer(trainer.accelerator, optimizer, config.device_dtype)
-
-    def clip_grad_norm(self, model):
-        """Hand max_grad_norm to the optimizer (it clips in step()); never touch the gradients."""
-        return self.get_grad_norm(model)
-
-    def get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is not None:
-            return grad_norm
-        unwrap_optimizer(self.trainer.optimizer).max_grad_norm = max_grad_norm(self.trainer.args)
-        return self.callback.grad_norm_placeholder()
-
-
-def insert_after_flow_callback(callbacks: list, callback: SuperOffloadCallback) -> None:
-    """After DefaultFlowCallback (it sets `control.should_save`, which the callback reads) and
-    before the reporters and printers (they read the counters the callback adds to the logs)."""
-    flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
-    callbacks.insert(flow[0] + 1 if flow else 0, callback)
-
-
-def max_grad_norm(args: HFTrainingArguments) -> Optional[float]:
-    """The Trainer's clipping threshold as the optimizer takes it (None: no clipping)."""
-    value = args.max_grad_norm
-    return float(value) if value is not None and value > 0 else None
-
-
-def check_hook_points(trainer_cls: type) -> None:
-    missing = [name for name in HOOKED_TRAINER_METHODS if not callable(getattr(trainer_cls, name, None))]
-    if missing:
-        raise RuntimeError(
-            f"transformers {transformers.__version__}: Trainer has no {missing}, the methods superoffload "
-            "replaces (optimizer creation, clipping, grad-norm reporting). Use transformers 5.17 to 5.24."
-        )
-
-
-def check_trainer_supported(trainer: HFTrainer) -> None:
-    for flag, name in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
-        if getattr(trainer, flag, False):
-            raise ValueError(
-                f"superoffload cannot be combined with {name} (enabled by the TrainingArguments or the "
-                f"accelerate config): both own the optimizer state. Turn one of them off."
-            )
-    check_accelerator_supported(trainer.accelerator)
-
-
-def _warn_if_optim_replaced(args: HFTrainingArguments) -> None:
-    optim = _optim_name(args.optim)
-    if optim not in _REPLACEABLE_OPTIMS:
-        logger.warning("superoffload: `optim` %r is replaced by SuperOffloadAdamW.", optim)

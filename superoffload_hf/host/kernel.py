@@ -2,7 +2,7 @@
 
 ``get_host_adam(mode, threads, isa)`` returns an object with one signature whichever back end
 serves it (``name``, ``isa``, ``threads``, ``adam_step_``, ``adam_rollback_``, ``sum_squares``,
-``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.reference`.
+``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.host.reference`.
 
 The kernel (csrc/grace_adam/) is built once with ``torch.utils.cpp_extension.load`` + ninja into
 a cache directory keyed by the sources, flags, torch, Python and platform
@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from superoffload_hf import reference
+from superoffload_hf.host import reference
 
 MODES = ("auto", "cpp", "reference")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3, "sve": 4}
@@ -38,7 +38,7 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17")
 FORCE_REFERENCE_ENV = "SUPEROFFLOAD_FORCE_REFERENCE"
 CACHE_DIR_ENV = "SUPEROFFLOAD_CACHE_DIR"
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc" / "grace_adam"
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "grace_adam"
 _COMMON_SOURCES = ("binding.cpp", "dispatch.cpp", "adam_scalar.cpp")
 _ISA_SOURCES = {"x86_64": ("adam_avx2.cpp", "adam_avx512.cpp"), "aarch64": ("adam_neon.cpp", "adam_sve.cpp")}
 _HEADERS = ("grace_adam.h", "thread_pool.h")
@@ -77,7 +77,7 @@ def _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correc
 
 
 class ReferenceHostAdam:
-    """The PyTorch reference (superoffload_hf.reference) behind the host Adam interface."""
+    """The PyTorch reference (superoffload_hf.host.reference) behind the host Adam interface."""
 
     name = "reference"
     isa = "none"

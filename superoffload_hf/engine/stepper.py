@@ -14,8 +14,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from superoffload_hf.buffers import BucketBuffers
-from superoffload_hf.plan import Bucket
+from superoffload_hf.engine.buffers import BucketBuffers
+from superoffload_hf.engine.plan import Bucket
 
 
 @dataclass(frozen=True)

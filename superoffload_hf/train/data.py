@@ -1,6 +1,6 @@
 """Training data for recipes: read documents, tokenize, pack into fixed-length blocks.
 
-Sources (a recipe's `data:` section picks one): the corpus shipped in superoffload_hf/corpus,
+Sources (a recipe's `data:` section picks one): the corpus shipped in superoffload_hf/train/corpus,
 local .txt/.md/.json/.jsonl files (read with the standard library), or a hub dataset
 (`datasets` is imported only for that, since not every machine has it). Documents are
 tokenized without special tokens, joined with EOS, and cut into blocks of `seq_len` tokens;
@@ -15,8 +15,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from superoffload_hf.corpus import corpus_texts
-from superoffload_hf.recipe import DataSpec, RecipeError
+from superoffload_hf.train.corpus import corpus_texts
+from superoffload_hf.train.recipe import DataSpec, RecipeError
 
 TOKENIZE_BATCH_DOCS = 256
 

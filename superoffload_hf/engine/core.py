@@ -21,19 +21,21 @@ from typing import Callable, Optional
 
 import torch
 
-from superoffload_hf import reference, stepper
-from superoffload_hf.buffers import BucketBuffers
+from superoffload_hf.engine import stepper
+from superoffload_hf.host import reference
+from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.config import SuperOffloadConfig
-from superoffload_hf.hooks import HeldGrad, register_forward_wait, register_param_hooks, remove_handles
-from superoffload_hf.kernel import get_host_adam
-from superoffload_hf.learning import FireLog, LayoutBuilder
-from superoffload_hf.loss_scale import make_loss_scale
+from superoffload_hf.engine.hooks import HeldGrad, register_forward_wait, register_param_hooks, remove_handles
+from superoffload_hf.host.kernel import get_host_adam
+from superoffload_hf.engine.layout import FireLog, LayoutBuilder
+from superoffload_hf.engine.loss_scale import make_loss_scale
 from superoffload_hf.metrics import OffloadCounters
-from superoffload_hf.runtime import BucketRuntime, HostJobs
-from superoffload_hf.speculation import Decision, SpeculationBudget, SpeculationPolicy, decide
-from superoffload_hf.stepper import Hyper, StepCall, plan_runs
-from superoffload_hf.transfer import make_transfer
-from superoffload_hf.worker import HostWorker
+from superoffload_hf.engine.lifecycle import BucketRuntime, HostJobs
+from superoffload_hf.engine.validate import Decision, SpeculationBudget, SpeculationPolicy, decide
+from superoffload_hf.engine.stepper import Hyper, StepCall, plan_runs
+from superoffload_hf.device import make_runtime
+from superoffload_hf.device.transfer import Transfer
+from superoffload_hf.engine.worker import HostWorker
 
 logger = logging.getLogger("superoffload_hf")
 
@@ -56,7 +58,9 @@ class Engine:
         self.params = [p for g in param_groups for p in g["params"]]
         self.index_of = {p: i for i, p in enumerate(self.params)}
         self.layout = LayoutBuilder(self.params, param_groups, config)
-        self.transfer = make_transfer(self.layout.device, config.pin_memory)
+        self.runtime = make_runtime(self.layout.device)
+        self.runtime.adopt(self.params)
+        self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
         self.cast = self.layout.resolve_cast(self.transfer)
         self.adam = get_host_adam(config.host_kernel, threads=None if config.host_threads == "auto"
                                   else config.host_threads)
@@ -125,7 +129,7 @@ class Engine:
 
     def summary(self) -> str:
         return (f"SuperOffload: {len(self.plan.buckets)} buckets ({self.plan.num_device_buckets} "
-                f"device-resident) of <= {self.plan.bucket_numel} elements, device {self.layout.device} "
+                f"device-resident) of <= {self.plan.bucket_numel} elements, device {self.runtime.name} "
                 f"{self.config.device_dtype}, cast {self.cast}, speculation {self.config.speculation}, "
                 f"rollback {self.config.rollback}, host Adam {self.adam.name}/{self.adam.isa} "
                 f"x{self.adam.threads} threads")
@@ -160,8 +164,7 @@ class Engine:
         if rt.round_fired[k]:
             self._flush(rt)
         if rt.round_dev is None:
-            rt.round_dev = torch.empty(rt.bucket.numel, dtype=self.layout.link_dtype(self.cast),
-                                       device=self.layout.device)
+            rt.round_dev = self.transfer.device_empty(rt.bucket.numel, self.layout.link_dtype(self.cast))
         BucketBuffers.view(rt.round_dev, rt.bucket.slots[k]).copy_(grad)  # casts when the link is fp32
         rt.round_fired[k] = rt.present[k] = True
         rt.fires[k] += 1
@@ -319,7 +322,7 @@ class Engine:
         self.synchronize()
         log, self.fire_log = self.fire_log, None
         host_seconds = self.counters.host_step_seconds - self._host_seconds_before_learning
-        self.replan(self.layout.learned_plan(log, host_seconds))
+        self.replan(self.layout.learned_plan(log, host_seconds, self.transfer))
         self.learned = {"ready_order": list(log.order), "deferred": log.deferred(),
                         "device_buckets": self.plan.num_device_buckets}
 

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from superoffload_hf.plan import Bucket, ParamSlot
+from superoffload_hf.engine.plan import Bucket, ParamSlot
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")

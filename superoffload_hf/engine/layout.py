@@ -29,9 +29,8 @@ from typing import Optional
 
 import torch
 
-from superoffload_hf.buffers import BucketBuffers
-from superoffload_hf.plan import Bucket, BucketPlan, auto_bucket_numel
-from superoffload_hf.transfer import measure_h2d_gbps
+from superoffload_hf.engine.buffers import BucketBuffers
+from superoffload_hf.engine.plan import Bucket, BucketPlan, auto_bucket_numel
 
 logger = logging.getLogger("superoffload_hf")
 
@@ -89,19 +88,19 @@ class LayoutBuilder:
         n = self.config.device_buckets
         return self.plan(0 if n == "auto" else n)
 
-    def learned_plan(self, log: FireLog, host_seconds: float) -> BucketPlan:
+    def learned_plan(self, log: FireLog, host_seconds: float, transfer) -> BucketPlan:
         deferred = log.deferred()
         n = self.config.device_buckets
         if n == "auto":
-            n = self.auto_device_buckets(self.plan(0, log.order, deferred), log, host_seconds)
+            n = self.auto_device_buckets(self.plan(0, log.order, deferred), log, host_seconds, transfer)
         return self.plan(n, log.order, deferred)
 
-    def auto_device_buckets(self, draft: BucketPlan, log: FireLog, host_seconds: float) -> int:
-        if self.device.type != "cuda" or not draft.buckets:
+    def auto_device_buckets(self, draft: BucketPlan, log: FireLog, host_seconds: float, transfer) -> int:
+        if not transfer.is_async or not draft.buckets:
             return 0
         backlog = max(0.0, host_seconds - log.seconds) / host_seconds if host_seconds > 0 else 0.0
         wanted = min(len(draft.buckets) // 2, math.ceil(len(draft.buckets) * backlog) + 1)
-        free_bytes, _ = torch.cuda.mem_get_info(self.device)
+        free_bytes, _ = transfer.runtime.memory_info()
         affordable = int(free_bytes * DEVICE_MEMORY_FRACTION) // (DEVICE_BYTES_PER_ELEMENT * self.bucket_numel)
         chosen = max(0, min(wanted, affordable))
         logger.info("SuperOffload device_buckets auto: host %.3fs vs backward %.3fs over %d buckets -> %d "
@@ -114,9 +113,9 @@ class LayoutBuilder:
     def resolve_cast(self, transfer) -> str:
         if self.config.cast != "auto":
             return self.config.cast
-        if not transfer.is_async:
+        if not transfer.is_async or self.device.type == "cpu":  # the simulated device: host memory
             return "device"
-        gbps = measure_h2d_gbps(self.device)
+        gbps = transfer.measure_h2d_gbps()
         cast = "device" if gbps >= FAST_LINK_GBPS else "host"
         logger.info("SuperOffload cast auto: host-to-device %.1f GB/s -> cast on the %s", gbps, cast)
         return cast
@@ -131,7 +130,7 @@ class LayoutBuilder:
 
     def allocate(self, bucket: Bucket, transfer, cast: str) -> BucketBuffers:
         if bucket.device_resident:
-            return BucketBuffers(bucket, lambda n, dtype: torch.empty(n, dtype=dtype, device=self.device))
+            return BucketBuffers(bucket, transfer.device_empty)
         return BucketBuffers(bucket, transfer.host_empty, self.lowp_dtype(cast))
 
     def cast_params_in_place(self) -> None:

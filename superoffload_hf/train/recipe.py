@@ -274,7 +274,7 @@ class TokenizerSpec:
     """Which tokenizer: the one built from the shipped corpus, or a pretrained one."""
 
     shipped: bool = False
-    """Train a byte-level BPE on the corpus shipped in superoffload_hf/corpus (offline, <1 s)."""
+    """Train a byte-level BPE on the corpus shipped in superoffload_hf/train/corpus (offline, <1 s)."""
     name_or_path: Optional[str] = None
     """A hub id or a local directory; default: the model's name_or_path."""
     vocab_size: int = 2048
@@ -303,7 +303,7 @@ class DataSpec:
     """Tokens per training sequence: documents are tokenized, joined with EOS and cut into
     blocks of this length (the remainder is dropped)."""
     shipped_corpus: bool = False
-    """Train on the small English corpus in superoffload_hf/corpus (no network)."""
+    """Train on the small English corpus in superoffload_hf/train/corpus (no network)."""
     name: Optional[str] = None
     """A `datasets` hub id (needs the `datasets` package and network or its cache)."""
     config: Optional[str] = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from superoffload_hf.corpus import corpus_texts
+from superoffload_hf.train.corpus import corpus_texts
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -22,11 +22,11 @@ from typing import Optional
 
 import torch
 
-from superoffload_hf import stepper
-from superoffload_hf.buffers import BucketBuffers
-from superoffload_hf.plan import Bucket
-from superoffload_hf.stepper import StepCall
-from superoffload_hf.worker import Pending
+from superoffload_hf.engine import stepper
+from superoffload_hf.engine.buffers import BucketBuffers
+from superoffload_hf.engine.plan import Bucket
+from superoffload_hf.engine.stepper import StepCall
+from superoffload_hf.engine.worker import Pending
 
 
 class BucketRuntime:
@@ -100,7 +100,7 @@ class HostJobs:
             self.step(rt, spec, snapshot=self.snapshot)
 
     def step(self, rt: BucketRuntime, call: StepCall, snapshot: bool = False) -> None:
-        self.transfer.wait_host(rt.h2d_event)  # the previous copy-back still reads master/lowp
+        self.transfer.wait_host_before_write(rt.h2d_event)  # the previous copy-back still reads master/lowp
         start = time.perf_counter()
         if snapshot:
             rt.bufs.take_snapshot()
@@ -110,7 +110,7 @@ class HostJobs:
 
     def rollback(self, rt: BucketRuntime, call: StepCall, redo: Optional[StepCall] = None) -> None:
         """Undo the speculative `call`; then take `redo` (e.g. clipped) if given."""
-        self.transfer.wait_host(rt.h2d_event)
+        self.transfer.wait_host_before_write(rt.h2d_event)
         start = time.perf_counter()
         if self.snapshot:
             rt.bufs.restore_snapshot()

@@ -1,0 +1,104 @@
+"""An accelerator (CUDA, XPU, ...) through `torch.accelerator`, `torch.Stream` and `torch.Event`:
+the only module of the package that talks to a device runtime (interface: runtime.py).
+
+Hazards of the generic API handled here, once:
+* `with stream:` keeps its state on the stream object (re-entry and two threads entering one
+  stream misbehave in some torch versions): `on_stream` sets and restores this thread's current
+  stream per call instead.
+* A new thread's current device is device 0: worker threads enter `thread_device()` so that
+  their streams, events and allocations belong to the parameters' device.
+* `Tensor.record_stream` exists only for some backends: where it is missing, the tensor is kept
+  alive until an event recorded after its last use has completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+
+
+def _accelerator_api(name: str, *fallbacks: str):
+    for candidate in (name, *fallbacks):
+        fn = getattr(torch.accelerator, candidate, None)
+        if fn is not None:
+            return fn
+    raise RuntimeError(f"torch {torch.__version__} has no torch.accelerator.{name}; SuperOffload needs torch >= 2.6.")
+
+
+class AcceleratorRuntime:
+    is_async = True
+
+    def __init__(self, device: torch.device):
+        if device.index is None:
+            device = torch.device(device.type, _accelerator_api("current_device_index", "current_device_idx")())
+        self.device = device
+        self.name = str(device)
+        self._keep_alive: list[tuple[torch.Event, torch.Tensor]] = []  # backends without record_stream
+        self._keep_alive_lock = threading.Lock()
+
+    def host_empty(self, numel: int, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+        # Page-locked memory makes non_blocking copies true asynchronous DMA transfers.
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def adopt(self, params) -> None:
+        pass
+
+    def current_stream(self) -> torch.Stream:
+        return torch.accelerator.current_stream(self.device)
+
+    def new_stream(self) -> torch.Stream:
+        return torch.Stream(device=self.device)
+
+    def new_event(self) -> torch.Event:
+        return torch.Event(device=self.device)
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: torch.Stream) -> Iterator[None]:
+        previous = torch.accelerator.current_stream(self.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
+
+    @contextlib.contextmanager
+    def thread_device(self) -> Iterator[None]:
+        get = _accelerator_api("current_device_index", "current_device_idx")
+        set_ = _accelerator_api("set_device_index", "set_device_idx")
+        previous = get()
+        set_(self.device.index)
+        try:
+            yield
+        finally:
+            set_(previous)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, tensor: torch.Tensor, stream: torch.Stream) -> None:
+        try:
+            tensor.record_stream(stream)
+            return
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass
+        # No caching-allocator support on this backend: hold the tensor until the stream's work
+        # queued so far has run.
+        done = self.new_event()
+        done.record(stream)
+        with self._keep_alive_lock:
+            self._keep_alive = [(e, t) for e, t in self._keep_alive if not e.query()]
+            self._keep_alive.append((done, tensor))
+
+    def memory_info(self) -> tuple[int, int]:
+        info = getattr(torch.accelerator, "get_memory_info", None)
+        if info is not None:
+            free, total = info(self.device)
+        else:
+            free, total = torch.get_device_module(self.device).mem_get_info(self.device)
+        return int(free), int(total)

@@ -1,0 +1,56 @@
+"""The CPU as the device: a synchronous runtime (see runtime.py for the interface).
+
+Copies run at once on the calling thread; streams and events are no-ops. The engine's code
+paths are otherwise the same as on an accelerator, which is how the CPU tests cover them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from superoffload_hf.device.runtime import NullEvent, NullStream, nothing
+
+
+class CpuRuntime:
+    is_async = False
+    name = "cpu"
+
+    def __init__(self):
+        self.device = torch.device("cpu")
+        self._stream = NullStream()
+
+    def host_empty(self, numel: int, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)  # nothing crosses a link: pinning has no meaning
+
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def adopt(self, params) -> None:
+        pass
+
+    def current_stream(self) -> NullStream:
+        return self._stream
+
+    def new_stream(self) -> NullStream:
+        return self._stream
+
+    def new_event(self) -> NullEvent:
+        return NullEvent()
+
+    def on_stream(self, stream):
+        return nothing()
+
+    def thread_device(self):
+        return nothing()
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        pass
+
+    def memory_info(self) -> tuple[int, int]:
+        pages, page = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return pages * page, os.sysconf("SC_PHYS_PAGES") * page

@@ -1,0 +1,64 @@
+"""The device seam: the one small interface through which the engine uses a device runtime.
+
+Three implementations, chosen by `superoffload_hf.device.make_runtime`:
+
+* `cpu.CpuRuntime`: the device is the CPU. Streams and events are no-ops, copies run at once.
+* `accelerator.AcceleratorRuntime`: CUDA, XPU or any backend of `torch.accelerator`, through the
+  generic `torch.Stream` / `torch.Event` API. The only module of the package that names a
+  device runtime.
+* `superoffload_hf.testing.sim.SimRuntime`: the simulated asynchronous device (CPU tensors,
+  lazily run streams, poisoned in-flight copies) that executes this path in CI.
+
+A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
+
+    name: str                      "cpu", "cuda:0", "sim:0": what summaries print
+    device: torch.device           where the parameters live
+    is_async: bool                 False: every copy has finished when copy_() returns
+    host_empty(numel, dtype, pinned) -> Tensor      a host buffer (page-locked when pinned)
+    device_empty(numel, dtype) -> Tensor            a device buffer, on the current stream
+    adopt(params)                  the parameters the engine manages live on this device
+    current_stream() -> Stream     this thread's current stream
+    new_stream() -> Stream
+    new_event() -> Event           event.record(stream) / .synchronize() / .query()
+    on_stream(stream)              context: this thread's current stream, restored on exit
+    thread_device()                context: this thread's current device is ours (worker threads)
+    copy_(dst, src)                a non_blocking copy, queued on the current stream
+    record_stream(tensor, stream)  tensor's memory is not reused until stream's queued work ran
+    memory_info() -> (free, total) device memory in bytes
+
+Streams: `wait_event(event)`, `wait_stream(stream)`. Nothing in the seam blocks the host except
+`Event.synchronize()`: the engine never calls a device-wide synchronize.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+
+class NullEvent:
+    """An event on a synchronous device: everything it could mark has already happened."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class NullStream:
+    """A stream on a synchronous device: work issued on it has run when the call returns."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def nothing() -> Iterator[None]:
+    yield

@@ -1,0 +1,150 @@
+"""Moving bucket data between the device and the host, written once over the runtime seam.
+
+Gradients go device->host on a side stream `d2h`, into host buffers (page-locked on an
+accelerator); parameters come back host->device on a side stream `h2d`; each copy is marked by
+an event. The host waits on one event (`wait_host`), the compute stream waits on one event
+(`wait_device`); nothing here synchronizes the whole device. On the CPU runtime every stream and
+event is a no-op and the copies run at once.
+
+Every synchronisation is named (`SYNCS`). `omitted` removes some of them: only the mutation
+tests set it, to show that the simulated device catches the race each one prevents.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+
+SYNCS = (
+    "d2h_waits_compute",   # the gradient copy starts after the kernels that produced it
+    "grad_record_stream",  # the dropped device gradient is not reused while d2h reads it
+    "d2h_event",           # the host knows when the gradient has landed
+    "host_waits_d2h",      # the worker reads the landed gradient only after that event
+    "host_waits_h2d",      # the worker writes master/lowp only after their last copy-back ran
+    "fence",               # copy-backs wait for kernels queued before step() (they read old weights)
+    "param_record_stream",  # a parameter freed or replaced while h2d writes it is not reused
+    "h2d_event",           # the compute stream knows when a copy-back has landed
+    "device_waits_h2d",    # a forward reads a bucket's parameters only after its copy-back
+    "thread_device",       # the worker thread issues its copies on the parameters' device
+)
+
+
+class Transfer:
+    def __init__(self, runtime, pin_memory: bool, omitted: Sequence[str] = ()):
+        unknown = sorted(set(omitted) - set(SYNCS))
+        if unknown:
+            raise ValueError(f"Unknown synchronisation(s) {unknown}; the seam has {list(SYNCS)}.")
+        self.runtime = runtime
+        self.pin_memory = pin_memory and runtime.is_async
+        self.omitted = frozenset(omitted)
+        self.d2h = runtime.new_stream()
+        self.h2d = runtime.new_stream()
+        self._fence = None  # see fence()
+
+    @property
+    def is_async(self) -> bool:
+        return self.runtime.is_async
+
+    def _keeps(self, sync: str) -> bool:
+        return sync not in self.omitted
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.runtime.host_empty(numel, dtype, pinned=self.pin_memory)
+
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.runtime.device_empty(numel, dtype)
+
+    def grad_to_host(self, grad_dev: torch.Tensor, grad_host: torch.Tensor):
+        """Training thread. Returns the event that marks `grad_host` as landed."""
+        rt = self.runtime
+        if self._keeps("d2h_waits_compute"):  # grad_dev is written by kernels queued on compute
+            self.d2h.wait_stream(rt.current_stream())
+        with rt.on_stream(self.d2h):
+            rt.copy_(grad_host, grad_dev)
+            if self._keeps("grad_record_stream"):  # the caller drops grad_dev now
+                rt.record_stream(grad_dev, self.d2h)
+            done = rt.new_event()
+            if self._keeps("d2h_event"):
+                done.record(self.d2h)
+        return done
+
+    def params_to_device(self, src_host: torch.Tensor, params: Sequence[torch.Tensor],
+                         offsets: Sequence[int]):
+        """Worker thread. Copies `src_host[offset:offset+numel]` into each parameter (casting on
+        the device); returns the event the next forward waits on. The host must not modify
+        src_host before that event (`wait_host`): the copy reads it when it runs.
+
+        Ordering: the worker calls this only after it waited for the bucket's gradients to land,
+        and the gradient copy waited for the compute stream, so every kernel of this backward
+        that reads these parameters has run; `fence` covers kernels queued since."""
+        rt = self.runtime
+        guard = rt.thread_device() if self._keeps("thread_device") else _no_guard()
+        with torch.no_grad(), guard, rt.on_stream(self.h2d):
+            if self._fence is not None and self._keeps("fence"):
+                self.h2d.wait_event(self._fence)
+            staged_dev = rt.device_empty(src_host.numel(), src_host.dtype)  # allocated on h2d
+            rt.copy_(staged_dev, src_host)
+            for p, offset in zip(params, offsets):
+                rt.copy_(p.detach(), staged_dev[offset:offset + p.numel()].view(p.shape))  # casts
+                if self._keeps("param_record_stream"):  # p may be freed or replaced (model.to())
+                    rt.record_stream(p.detach(), self.h2d)  # before the next forward waits
+            done = rt.new_event()
+            if self._keeps("h2d_event"):
+                done.record(self.h2d)
+        return done
+
+    def fence(self) -> None:
+        """Training thread, at step(), before the step's host jobs are queued: their copy-backs
+        run after every kernel queued so far on the compute stream. (The worker's wait on a
+        bucket's d2h event covers only kernels queued before that bucket's gradients left; a
+        forward run between backward and step() is queued later and reads the old weights.)"""
+        if not self.is_async:
+            return
+        event = self.runtime.new_event()
+        event.record(self.runtime.current_stream())
+        self._fence = event  # read by the worker thread in params_to_device
+
+    def wait_host(self, event) -> None:
+        """Block the calling thread until `event` (None: nothing) has completed."""
+        if event is not None and self._keeps("host_waits_d2h"):
+            with self.runtime.thread_device():
+                event.synchronize()
+
+    def wait_host_before_write(self, event) -> None:
+        """Worker: the last copy-back of a bucket (`event`) reads master/lowp: wait before writing."""
+        if event is not None and self._keeps("host_waits_h2d"):
+            with self.runtime.thread_device():
+                event.synchronize()
+
+    def wait_device(self, event) -> None:
+        """The compute stream waits (queued, not blocking) for `event` (None: nothing)."""
+        if event is not None and self._keeps("device_waits_h2d"):
+            self.runtime.current_stream().wait_event(event)
+
+    def measure_h2d_gbps(self, megabytes: int = 64, repeats: int = 3) -> float:
+        """Host-to-device bandwidth from a page-locked buffer, in GB/s (a one-off measurement)."""
+        rt = self.runtime
+        src = rt.host_empty(megabytes * 2**20, torch.uint8, pinned=True)
+        dst = rt.device_empty(src.numel(), torch.uint8)
+        rt.copy_(dst, src)  # warm-up
+        self._drain(rt.current_stream())
+        start = time.perf_counter()
+        for _ in range(repeats):
+            rt.copy_(dst, src)
+        self._drain(rt.current_stream())
+        return src.numel() * repeats / max(time.perf_counter() - start, 1e-9) / 1e9
+
+    def _drain(self, stream) -> None:
+        done = self.runtime.new_event()
+        done.record(stream)
+        done.synchronize()
+
+
+class _no_guard:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> Optional[bool]:
+        return None

@@ -1,0 +1,24 @@
+"""What `superoffload launch` handed this process: the `superoffload:` block of its accelerate
+config, read from the environment once by `autopatch.install_from_environment()`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+CONFIG_ENV_VAR = "SUPEROFFLOAD_CONFIG_JSON"
+
+_launch_block: Optional[dict[str, Any]] = None
+
+
+def set_launch_block(block: Optional[dict[str, Any]]) -> None:
+    global _launch_block
+    _launch_block = block
+
+
+def launch_plugin():
+    """The `superoffload:` block this process was launched with (a SuperOffloadPlugin), or None."""
+    if _launch_block is None:
+        return None
+    from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
+
+    return SuperOffloadPlugin.from_dict(_launch_block)
