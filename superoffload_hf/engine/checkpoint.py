@@ -25,13 +25,11 @@ MOMENT_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master_param":
 def state_dict(engine, groups: list[dict]) -> dict:
     engine.synchronize()
     state = {}
-    for rt in engine.runtimes:
-        for slot in rt.bucket.slots:
-            if engine.param_steps[slot.index] == 0:
-                continue  # as torch.optim: no state before a parameter's first step
-            values = rt.bufs.export_param(slot)
-            state[slot.index] = {"step": int(engine.param_steps[slot.index]),
-                                 **{key: values[name] for key, name in MOMENT_KEYS.items()}}
+    for index, step in enumerate(engine.param_steps):
+        if step == 0:
+            continue  # as torch.optim: no state before a parameter's first step
+        values = engine.export_param(index)
+        state[index] = {"step": int(step), **{key: values[name] for key, name in MOMENT_KEYS.items()}}
     return {
         "state": dict(sorted(state.items())),
         "param_groups": _groups_with_indices(groups),
@@ -76,13 +74,11 @@ def load_state_dict(engine, groups: list[dict], sd: Mapping[str, Any]) -> None:
 def _load_param(engine, index: int, entry: Mapping[str, Any]) -> None:
     """An empty entry (no state saved: never stepped) resets the moments and the step count
     and keeps the current master weights; a torch.optim entry has no master either."""
-    rt, k = engine.where[index]
-    slot = rt.bucket.slots[k]
-    zeros = torch.zeros(slot.shape)
-    values = {"master": rt.bufs.export_param(slot)["master"], "exp_avg": zeros, "exp_avg_sq": zeros}
+    current = engine.export_param(index)
+    zeros = torch.zeros_like(current["master"])
+    values = {"master": current["master"], "exp_avg": zeros, "exp_avg_sq": zeros}
     values.update({name: entry[key] for key, name in MOMENT_KEYS.items() if key in entry})
-    rt.bufs.import_param(slot, values)
-    engine.param_steps[index] = int(float(entry.get("step", 0)))
+    engine.import_param(index, values, int(float(entry.get("step", 0))))
 
 
 def _check_entry(entry: Mapping[str, Any], index: int, shape: tuple) -> None:

@@ -1,0 +1,162 @@
+"""Gradients in: from the autograd hooks into each bucket's host buffers, launching (and, when
+speculating, stepping) a bucket as soon as its last micro-batch's gradients are complete.
+
+Runs on autograd's thread (the hooks) and on the training thread (step(), zero_grad()); never
+both at once, since backward() blocks its caller.
+
+A host bucket collects in *rounds*: each gradient is copied into a transient flat device buffer
+(`round_dev`, in the dtype that crosses the link) and `p.grad` is released. A round ends when
+every parameter of the bucket delivered a gradient, or when one delivers a second one; it is
+then flushed: copied to the host and, in the worker, copied or added in fp32 into the bucket's
+gradient buffer. The round that completes the last micro-batch launches the bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from superoffload_hf.engine.buffers import BucketBuffers
+from superoffload_hf.engine.hooks import HeldGrad, register_param_hooks
+from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
+from superoffload_hf.engine.stepper import Hyper, StepCall
+from superoffload_hf.engine.validate import SpeculationBudget
+
+
+def invertible(h: Hyper, adamw: bool) -> bool:
+    """Whether adam_rollback_ can undo a step with these hyperparameters (it divides by them)."""
+    return h.beta1 > 0 and h.beta2 > 0 and (not adamw or h.lr * h.weight_decay != 1.0)
+
+
+class Collector:
+    def __init__(self, engine):
+        e = engine
+        self.engine = e  # read at use: fire_log, max_grad_norm, sync_source change over time
+        self.buckets, self.transfer, self.worker, self.jobs = e.buckets, e.transfer, e.worker, e.jobs
+        self.waiter, self.step, self.counters, self.config = e.waiter, e.step_state, e.counters, e.config
+        self.link_dtype = e.layout.link_dtype(e.cast)
+
+    # ---- autograd thread ------------------------------------------------------------------
+
+    def on_grad_accumulated(self, p: torch.Tensor) -> None:
+        self.worker.raise_if_failed()
+        index = self.buckets.index_of[p]
+        rt, k = self.buckets.where[index]
+        grad = p.grad.detach().reshape(-1)
+        p.grad = HeldGrad(p)  # any later use of p.grad raises (e.g. clip_grad_norm_)
+        if self.engine.fire_log is not None:
+            self.engine.fire_log.record(index)
+        if rt.bucket.device_resident:
+            self._accumulate_on_device(rt, k, grad)
+        else:
+            self._collect_for_host(rt, k, grad)
+
+    def _accumulate_on_device(self, rt: BucketRuntime, k: int, grad: torch.Tensor) -> None:
+        view = BucketBuffers.view(rt.bufs.grad, rt.bucket.slots[k])
+        if rt.present[k]:
+            view.add_(grad)  # fp32 += low precision: summed in fp32
+        else:
+            view.copy_(grad)
+        rt.present[k] = True
+        rt.fires[k] += 1
+
+    def _collect_for_host(self, rt: BucketRuntime, k: int, grad: torch.Tensor) -> None:
+        if rt.launched:
+            self.reopen(rt)
+        if rt.state is not BucketState.COLLECTING:
+            self.waiter.wait_idle(rt)  # RETURNING without a forward in between: its copy-back
+            rt.move(BucketState.COLLECTING)  # job must be done before the state changes hands
+        if rt.round_fired[k]:
+            self.flush(rt)
+        if rt.round_dev is None:
+            rt.round_dev = self.transfer.device_empty(rt.bucket.numel, self.link_dtype)
+        BucketBuffers.view(rt.round_dev, rt.bucket.slots[k]).copy_(grad)  # casts when the link is fp32
+        rt.round_fired[k] = rt.present[k] = True
+        rt.fires[k] += 1
+        if rt.round_complete:
+            launch = rt.bucket.speculative and self._is_last_micro_batch(rt)
+            self.flush(rt, launch=launch, spec=self._speculative_call(rt) if launch else None)
+
+    def _is_last_micro_batch(self, rt: BucketRuntime) -> bool:
+        sync_source: Optional[Callable[[], bool]] = self.engine.sync_source
+        if sync_source is not None:
+            return bool(sync_source())
+        return max(rt.fires) >= self.config.gradient_accumulation_steps
+
+    def _speculative_call(self, rt: BucketRuntime) -> Optional[StepCall]:
+        s = self.step
+        if s.speculating is None:  # one decision per step, at its first launch
+            s.speculating = self.engine.fire_log is None and self.engine.policy.should_speculate()
+            s.budget = SpeculationBudget(self.engine.max_grad_norm, self.engine.loss_scale.scale)
+        if not s.speculating or rt.no_spec or not all(rt.present):
+            return None
+        call = s.call(rt, 1.0)
+        return call if self.jobs.snapshot or invertible(call.hyper, self.jobs.adamw) else None
+
+    # ---- both threads ---------------------------------------------------------------------
+
+    def flush(self, rt: BucketRuntime, launch: bool = False, spec: Optional[StepCall] = None) -> None:
+        """Copy the current round to the host; queue its accumulation (and launch)."""
+        self.waiter.wait_idle(rt)  # the worker may still read this bucket's grad / recv buffers
+        flat = rt.take_round()
+        first = not rt.staged
+        fp32_direct = first and flat.dtype == torch.float32
+        landed = rt.bufs.grad if fp32_direct else rt.bufs.recv_buffer(flat.dtype)
+        event = self.transfer.grad_to_host(flat, landed)
+        self.counters.bytes_d2h += flat.numel() * flat.element_size()
+        rt.staged = True
+        jobs = [functools.partial(self.jobs.receive, rt, landed, event, first)]
+        if launch:
+            self._mark_launched(rt)
+            jobs.append(functools.partial(self.jobs.launch, rt, spec, self.step.budget))
+            if spec is not None:
+                self.waiter.inflight.add(rt)  # a forward before step() must not read speculative weights
+        self.worker.submit(lambda: [job() for job in jobs], rt.pending)
+
+    def _mark_launched(self, rt: BucketRuntime) -> None:
+        rt.move(BucketState.LAUNCHED)
+        rt.norm_ready.clear()
+
+    def reopen(self, rt: BucketRuntime) -> None:
+        """A gradient arrived for a launched bucket (or a forward needs it before step()): undo
+        its speculative step, recount its norm."""
+        self.waiter.wait_idle(rt)
+        if rt.spec is not None:
+            spec, rt.spec = rt.spec, None
+            self.worker.submit(functools.partial(self.jobs.rollback, rt, spec), rt.pending)
+            self.step.speculative = self.step.rolled_back = rt.redo = True
+            self.waiter.inflight.add(rt)  # the restored weights travel back to the device
+        rt.move(BucketState.COLLECTING)
+        rt.sumsq, rt.no_spec = None, True
+        rt.norm_ready.clear()
+
+    # ---- training thread, at step() -------------------------------------------------------
+
+    def adopt_unhooked_grads(self) -> None:
+        """Parameters frozen at construction and unfrozen since: hook them; take their grads."""
+        e = self.engine
+        for p in [p for p in e.unhooked if p.requires_grad]:
+            e.unhooked.remove(p)
+            register_param_hooks([p], e, e.handles)
+            if p.grad is not None and not isinstance(p.grad, HeldGrad):
+                self.on_grad_accumulated(p)
+
+    def finish(self) -> None:
+        """Flush partial rounds and launch every staged bucket not launched yet."""
+        for rt in self.buckets.host():
+            if any(rt.round_fired):
+                self.flush(rt)
+            if rt.staged and not rt.launched:
+                self._mark_launched(rt)
+                self.worker.submit(functools.partial(self.jobs.launch, rt, None), rt.pending)
+
+    def discard(self) -> None:
+        """Forget this step's gradients (zero_grad() between backward and step()), undoing any
+        speculative step taken with them. The caller resets and synchronizes afterwards."""
+        for rt in self.buckets.host():
+            if any(rt.round_fired):
+                rt.take_round()
+            if rt.launched:
+                self.reopen(rt)

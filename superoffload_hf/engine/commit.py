@@ -1,0 +1,89 @@
+"""At step(): the global norm from every bucket's partial sum, then the decision applied to each
+bucket (commit a speculative step, roll it back and replay it clipped, step a staged bucket,
+or skip), the device-resident buckets stepped on the device, and the step accounted for."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from superoffload_hf.engine import stepper
+from superoffload_hf.engine.buffers import BucketBuffers
+from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
+from superoffload_hf.engine.stepper import StepCall
+from superoffload_hf.engine.validate import Decision
+from superoffload_hf.host import reference
+
+
+class Committer:
+    def __init__(self, engine):
+        e = engine
+        self.engine = e
+        self.buckets, self.worker, self.jobs, self.waiter = e.buckets, e.worker, e.jobs, e.waiter
+        self.step, self.counters, self.adamw = e.step_state, e.counters, e.adamw
+
+    def global_sum_squares(self) -> float:
+        parts = {}
+        on_device = [rt for rt in self.buckets.on_device() if any(rt.present)]
+        if on_device:
+            for rt in on_device:
+                for k, slot in enumerate(rt.bucket.slots):
+                    if not rt.present[k]:
+                        BucketBuffers.view(rt.bufs.grad, slot).zero_()
+            sums = torch.stack([stepper.sum_squares_on_device(rt.bufs.grad) for rt in on_device])
+            parts.update(zip((rt.bucket.index for rt in on_device), sums.tolist()))  # one host sync
+        for rt in self.buckets.host():
+            if rt.staged:
+                self.waiter.wait(rt.norm_ready)
+                parts[rt.bucket.index] = rt.sumsq
+        return sum(parts[i] for i in sorted(parts))  # float64, in bucket order: deterministic
+
+    def apply(self, decision: Decision) -> None:
+        skip = decision.kind == "skip"
+        for rt in self.buckets.host():
+            if rt.staged:
+                self._apply_host(rt, None if skip else self.step.call(rt, decision.clip_coef))
+        if not skip:
+            for rt in self.buckets.on_device():
+                if any(rt.present):
+                    self._step_on_device(rt, self.step.call(rt, decision.clip_coef))
+
+    def _apply_host(self, rt: BucketRuntime, call) -> None:
+        spec = rt.spec  # written by the launch job before norm_ready, which global_sum_squares waited for
+        rt.move(BucketState.VALIDATED)
+        if spec is not None:
+            self.step.speculative = True
+            if call != spec:  # clipped, skipped, or hyperparameters changed since
+                self.worker.submit(functools.partial(self.jobs.rollback, rt, spec, call), rt.pending)
+                self.step.rolled_back = True
+                self.step.replayed |= call is not None
+        elif call is not None:
+            self.worker.submit(functools.partial(self.jobs.step, rt, call), rt.pending)
+            self.step.replayed |= rt.redo
+
+    def _step_on_device(self, rt: BucketRuntime, call: StepCall) -> None:
+        # The same math as the host kernel, in stream order on the device.
+        stepper.apply(reference.adam_step_, rt.bufs, call, self.adamw)
+        with torch.no_grad():
+            for k in stepper.run_slots(call):
+                slot = rt.bucket.slots[k]
+                rt.params[k].detach().copy_(BucketBuffers.view(rt.bufs.master, slot).view(slot.shape))
+
+    def account(self, decision: Decision) -> None:
+        skipped = decision.kind == "skip"
+        if not skipped:
+            for rt in self.buckets.runtimes:
+                for k, slot in enumerate(rt.bucket.slots):
+                    self.buckets.param_steps[slot.index] += rt.present[k]
+        c, s = self.counters, self.step
+        c.steps += not skipped
+        c.skips += skipped
+        self.account_flags()
+        c.replays += s.replayed
+        self.engine.policy.record(decision)
+        self.engine.loss_scale.update(skipped)
+
+    def account_flags(self) -> None:
+        self.counters.speculative_steps += self.step.speculative
+        self.counters.rollbacks += self.step.rolled_back
