@@ -2,7 +2,9 @@
 # The GPU checks in one script, for a machine with one CUDA GPU and the torch, transformers and
 # accelerate of its image (no network needed); under 8 minutes in all:
 #   1. build (or load from the cache) the GraceAdam kernel and name the back end in use;
-#   2. the GPU-marked tests (pytest -m gpu; tests/test_gpu.py run directly when pytest is absent);
+#   2. the GPU-marked tests (pytest -m gpu; tests/test_gpu.py run directly when pytest is absent),
+#      then again under the CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1); test_gpu.py also
+#      checks with torch.cuda.set_sync_debug_mode that the steady-state step never syncs;
 #   3. benchmarks/train_llama.py: a randomly initialised ~1B Llama, bf16, seq 1024 x batch 4,
 #      speculation on and off: step time, tokens/s, peak device memory, host wait.
 #
@@ -46,6 +48,8 @@ print(kernel.describe(adam))"
 if $PY -c "import pytest" 2>/dev/null; then
   # addopts cleared: --strict-markers would reject the timeout marks when pytest-timeout is absent.
   part gpu_tests 150 $PY -m pytest -o addopts="" -p no:cacheprovider -q -rs -m gpu tests
+  # The same tests under the CUDA stream sanitizer (the engine enters it in its worker thread too).
+  part gpu_tests_sanitizer 200 env TORCH_CUDA_SANITIZER=1 $PY -m pytest -o addopts="" -p no:cacheprovider -q -rs -m gpu tests
 else
   part gpu_tests 150 $PY tests/test_gpu.py
 fi

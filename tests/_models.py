@@ -161,16 +161,23 @@ def offload_step(model: torch.nn.Module, opt, batches: list[dict], max_grad_norm
     return StepOutcome(bool(opt.last_step_skipped), float(opt.last_grad_norm), max_grad_norm)
 
 
+def read_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters, read the documented way: `model.state_dict()` first waits for the
+    copy-backs still on the way (on an asynchronous device they land after step() returns)."""
+    model.state_dict(keep_vars=True)
+    return dict(model.named_parameters())
+
+
 def params_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: p.detach().clone() for name, p in read_params(model).items()}
 
 
 def assert_params_close(model: torch.nn.Module, expected: dict[str, torch.Tensor] | torch.nn.Module,
                         where: str, rtol: float = 1e-5, atol: float = 1e-6, exact: bool = False) -> None:
     """Every parameter, element by element (exact: bitwise)."""
     if isinstance(expected, torch.nn.Module):
-        expected = dict(expected.named_parameters())
-    for name, p in model.named_parameters():
+        expected = read_params(expected)
+    for name, p in read_params(model).items():
         want = expected[name].detach()
         got = p.detach()
         if exact:

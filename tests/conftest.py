@@ -6,6 +6,7 @@ import platform
 
 import pytest
 
+from superoffload_hf.device import SIM_ENV_VAR
 from superoffload_hf.host import kernel
 
 # The ISA paths this architecture builds (the Arm ones have their own native tests as well).
@@ -48,3 +49,24 @@ def cpp_adam(grace_adam_extension):
 @pytest.fixture
 def supported_isas(grace_adam_extension) -> list:
     return kernel.supported_isas(grace_adam_extension)
+
+
+@pytest.fixture(params=["cpu", pytest.param("sim", marks=pytest.mark.sim)])
+def device_mode(request, monkeypatch):
+    """Run the test with the CPU as the (synchronous) device, and again on the simulated
+    asynchronous device (SUPEROFFLOAD_SIM_DEVICE=1), where a missing synchronisation reads
+    NaN poison or raises SimRaceError. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("device_mode")`."""
+    if request.param == "cpu":
+        monkeypatch.delenv(SIM_ENV_VAR, raising=False)
+        yield "cpu"
+        return
+    from superoffload_hf.testing.sim import SimRuntime
+
+    SimRuntime.reset_shared()
+    monkeypatch.setenv(SIM_ENV_VAR, "1")
+    yield "sim"
+    sim = SimRuntime.shared()
+    errors = list(sim.errors)
+    SimRuntime.reset_shared()
+    assert not errors, f"the simulated device reported races: {errors}"

@@ -16,7 +16,9 @@ import torch
 from superoffload_hf import SuperOffloadAdamW, SuperOffloadConfig
 from superoffload_hf.engine.hooks import HeldGrad
 
-pytestmark = pytest.mark.timeout(120)
+from _models import read_params
+
+pytestmark = [pytest.mark.usefixtures("device_mode"), pytest.mark.timeout(120)]
 
 LR = 1e-2
 BASE = {"device_dtype": "fp32", "bucket_size_mb": 0.002, "host_threads": 1, "device_buckets": 0}
@@ -73,7 +75,7 @@ def offload_step(model, opt, step, max_norm, accumulation=1):
 
 
 def assert_models_close(got, want, where, exact=False):
-    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+    for (name, p), q in zip(read_params(got).items(), read_params(want).values()):
         if exact:
             assert torch.equal(p.detach(), q.detach()), f"{where}: {name} differs bitwise"
         else:
@@ -137,12 +139,12 @@ def test_inverse_rollback_on_a_skipped_step_restores_within_the_stated_bound():
     with opt:
         for step in range(3):
             offload_step(model, opt, step, None)
-        before = [p.detach().clone() for p in model.parameters()]
+        before = [p.detach().clone() for p in read_params(model).values()]
         model[0].bias.register_hook(lambda g: torch.full_like(g, math.inf))  # arrives last
         offload_step(model, opt, 3, None)
         assert opt.last_step_skipped and math.isinf(opt.last_grad_norm)
         assert opt.counters.skips == 1 and opt.counters.rollbacks == 1
-        for p, q in zip(model.parameters(), before):
+        for p, q in zip(read_params(model).values(), before):
             bound = 4 * 2.0**-23 * (q.abs() + 10 * LR) / (1 - LR * 1e-2)
             assert bool(((p.detach() - q).abs() <= bound).all())
 
@@ -157,7 +159,7 @@ def test_cast_on_host_and_on_device_give_identical_results(dtype):
         with opt:
             for step in range(4):
                 offload_step(model, opt, step, fixed_clip(step))
-            runs.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()["state"]))
+            runs.append(([p.detach().clone() for p in read_params(model).values()], opt.state_dict()["state"]))
     for p, q in zip(runs[0][0], runs[1][0]):
         assert p.dtype == (torch.bfloat16 if dtype == "bf16" else torch.float32)
         assert torch.equal(p, q)

@@ -219,7 +219,7 @@ def test_host_buffers_are_pinned_and_copies_use_side_streams():
             assert engine.step_returns_early
         offload_run(model, opt, steps=2)
         if ON_CUDA:
-            assert all(isinstance(rt.h2d_event, torch.cuda.Event) for rt in host)
+            assert all(isinstance(rt.h2d_event, torch.Event) for rt in host)
         assert opt.counters.bytes_d2h > 0 and opt.counters.bytes_h2d > 0
 
 
@@ -258,6 +258,33 @@ def test_tied_embeddings_on_the_device():
         _, thresholds, masters = reference_mixed_run(ref)
         offload_run(model, opt, thresholds=thresholds)
         assert_all_close(list(model.parameters()), masters, 1e-4, 1e-6, "param")
+
+
+def test_the_steady_state_step_path_never_synchronizes_the_device():
+    """With no device-resident bucket, forward + backward + step() + zero_grad() after the first
+    steps must not block the host on the device (torch.cuda.set_sync_debug_mode reports any
+    synchronizing call on the training thread; the worker's event waits are its own thread's)."""
+    import warnings
+
+    model = tiny_llama()
+    cfg = config(device_dtype="bf16", device_buckets=0, speculation="on", cast="device")
+    with SuperOffloadAdamW(model.parameters(), lr=LR, config=cfg) as opt:
+        offload_run(model, opt, steps=2)  # the first step learns the plan (it synchronizes)
+        ids = ids_for(7)
+        if ON_CUDA:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(2):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+        finally:
+            if ON_CUDA:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        assert not syncs, f"the step path synchronized the device {len(syncs)} times: {syncs[:3]}"
 
 
 def _run_without_pytest() -> int:

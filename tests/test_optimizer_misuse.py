@@ -14,7 +14,7 @@ from superoffload_hf.host.kernel import get_host_adam
 
 from _models import engine_config, micro_batches, one_torch_thread, tiny_llama  # noqa: F401
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread", "device_mode"), pytest.mark.timeout(60)]
 
 
 def small_model():

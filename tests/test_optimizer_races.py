@@ -26,7 +26,7 @@ from _models import (  # noqa: F401  (one_torch_thread is a fixture)
     tiny_llama,
 )
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread", "device_mode"), pytest.mark.timeout(180)]
 
 LR = 1e-3
 HUGE, TINY = 1e6, 1e-3

@@ -28,7 +28,7 @@ from superoffload_hf.integrations.trainer_hooks import check_hook_points
 
 from _models import tiny_batch, tiny_llama
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.usefixtures("device_mode"), pytest.mark.timeout(300)]
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 6

@@ -28,6 +28,18 @@ def _accelerator_api(name: str, *fallbacks: str):
     raise RuntimeError(f"torch {torch.__version__} has no torch.accelerator.{name}; SuperOffload needs torch >= 2.6.")
 
 
+def _sanitizer_in_this_thread():
+    """TORCH_CUDA_SANITIZER=1 enables the CUDA stream sanitizer through a dispatch mode, which is
+    thread-local: enter it in the worker thread too, so its copies and event waits are checked."""
+    try:
+        from torch.cuda._sanitizer import cuda_sanitizer
+    except Exception:  # not a CUDA build, or a torch without the sanitizer
+        return contextlib.nullcontext()
+    if not getattr(cuda_sanitizer, "enabled", False) or threading.current_thread() is threading.main_thread():
+        return contextlib.nullcontext()
+    return cuda_sanitizer.dispatch
+
+
 class AcceleratorRuntime:
     is_async = True
 
@@ -74,7 +86,8 @@ class AcceleratorRuntime:
         previous = get()
         set_(self.device.index)
         try:
-            yield
+            with _sanitizer_in_this_thread():
+                yield
         finally:
             set_(previous)
 

@@ -5,8 +5,11 @@
   placeholder; a tensor pre-hook clears that placeholder before the next backward accumulates.
 * One global module forward pre-hook lets the next forward wait for exactly the buckets that
   own the parameters of the module about to run (the optimizer is given parameters, not the
-  model, so it cannot register per-module hooks itself). It costs one attribute test per
-  module call while nothing is in flight.
+  model, so it cannot register per-module hooks itself). It costs a set lookup and one
+  attribute test per module call while nothing is in flight. On a module's first forward it
+  also registers a state-dict pre-hook there, so `model.state_dict()` / `save_pretrained`
+  between step() and the next forward read updated weights. Reading `p` directly (an EMA in a
+  custom loop) needs `optimizer.synchronize()` first.
 
 The hooks hold the engine through a weak reference, so they never keep an optimizer alive.
 """
@@ -75,11 +78,27 @@ def register_param_hooks(params: Sequence[torch.Tensor], engine, handles: list) 
 
 
 def register_forward_wait(engine, handles: list) -> None:
+    """Before a module's forward, and before its `state_dict()` (model.state_dict(),
+    save_pretrained, accelerate's get_state_dict): wait for the buckets of its parameters. The
+    state-dict hook is registered on each module the first time it runs forward."""
     engine_ref = weakref.ref(engine)
+    watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+    owned = {id(p) for p in engine.params}
+
+    def before_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        e = engine_ref()
+        if e is not None and e.inflight:
+            e.wait_for_module(module)
 
     def before_forward(module: torch.nn.Module, args) -> None:
         e = engine_ref()
-        if e is not None and e.inflight:
+        if e is None:
+            return None
+        if module not in watched:
+            watched.add(module)
+            if any(id(p) in owned for p in module.parameters(recurse=False)):
+                handles.append(module.register_state_dict_pre_hook(before_state_dict))
+        if e.inflight:
             e.wait_for_module(module)
         return None
 

@@ -1,0 +1,596 @@
+"""A simulated asynchronous device behind the runtime seam (superoffload_hf/device/runtime.py).
+
+Tensors stay on the CPU; what is simulated is the ordering model of CUDA, scheduled so that a
+missing synchronisation fails every time (DESIGN.md section 7):
+
+* The compute stream runs eagerly. Side streams are queues that run lazily: only when something
+  waits for them (Event.synchronize, a wait of the compute stream, a synchronous copy,
+  synchronize_all). `Event.query()` never runs work.
+* A non-blocking copy on a side stream poisons its destination (NaN, or 0xA5 bytes) when issued
+  and snapshots its source; when it runs, a source that changed meanwhile raises SimRaceError.
+  A copy whose host side is pageable is synchronous.
+* Events are the only happens-before edges. Kernels on the compute stream are not queued, so
+  hazards against them are tracked with a logical compute clock: device buffers written on
+  compute (seen through `Tensor._version`) must not be read by a side stream that has not waited
+  for a later compute event (RAW); adopted parameters read by a module forward must not be
+  overwritten by a side stream that has not waited for a later compute event (WAR).
+* `record_stream` is emulated, more strictly than CUDA: a device tensor used on a stream other
+  than its allocation stream needs `record_stream(tensor, stream)` by the time the use runs
+  (CUDA only needs it before the tensor is freed; a synchronous copy needs none), and a device
+  buffer freed while another stream has unrun work on it without one is an error.
+* Current stream and current device are per thread; a thread other than the runtime's main
+  thread must enter `thread_device()` before issuing work.
+
+Every violation is appended to `runtime.errors` and raised as SimRaceError in the calling thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from typing import Iterator, Optional
+
+import torch
+
+_POISON_BYTE = 0xA5
+_TOTAL_BYTES = 80 * 2**30  # the fake device's memory
+
+
+class SimRaceError(RuntimeError):
+    """A synchronisation the simulated device found missing."""
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.storage_offset() * t.element_size()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + extent * t.element_size()
+
+
+def _storage_alias(t: torch.Tensor) -> torch.Tensor:
+    # A fresh tensor on t's storage: not a view, so it keeps the memory alive but not t's Python
+    # object (the free check relies on that); its version counter is its own.
+    alias = torch.empty(0, dtype=t.dtype)
+    alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    return alias
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    else:
+        pattern = torch.full((t.numel() * t.element_size(),), _POISON_BYTE, dtype=torch.uint8)
+        t.copy_(pattern.view(t.dtype).view(t.shape))
+
+
+def _describe(t: torch.Tensor, where: str) -> str:
+    return f"{where} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+class _DeviceBuffer:
+    """Bookkeeping of one device tensor: a runtime allocation or an adopted parameter."""
+
+    def __init__(self, tensor: torch.Tensor, alloc_stream: "SimStream"):
+        self.ref = weakref.ref(tensor)
+        self.alloc_stream = alloc_stream
+        self.recorded: set = set()  # (storage key, stream) pairs passed to record_stream
+        self.seen_version = tensor._version
+        self.last_write = 0  # compute clock of the last write seen on the compute stream
+
+
+class _Allocation(_DeviceBuffer):
+    def __init__(self, tensor: torch.Tensor, alloc_stream: "SimStream"):
+        super().__init__(tensor, alloc_stream)
+        self.key = _storage_key(tensor)
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.label = _describe(tensor, "device buffer")
+
+
+class _Param(_DeviceBuffer):
+    def __init__(self, param: torch.Tensor, compute: "SimStream"):
+        super().__init__(param, compute)
+        self.last_read = 0  # compute clock of the last module forward that read it
+
+
+class _Pinned:
+    def __init__(self, key: int):
+        self.key = key
+
+
+class _Copy:
+    def __init__(self, seq, stream, dst, src, dst_buf, src_buf, sync, label, src_label):
+        self.seq, self.stream, self.sync, self.label, self.src_label = seq, stream, sync, label, src_label
+        self.dst, self.src = _storage_alias(dst), _storage_alias(src)
+        self.dst_key, self.src_key = _storage_key(dst), _storage_key(src)
+        self.src_host = src_buf is None
+        self.uses = [(buf, key) for buf, key in ((dst_buf, self.dst_key), (src_buf, self.src_key)) if buf is not None]
+        self.snapshot = self.src.clone()
+        self.use_snapshot = False  # the source is rewritten by work ordered after this copy
+        self.position = 0
+
+    def release(self) -> None:
+        self.dst = self.src = self.snapshot = None
+        self.uses = []
+
+
+class _WaitFor:
+    """A side stream's wait on another side stream's event: runs `target` up to `until`."""
+
+    def __init__(self, target: "SimStream", until: int):
+        self.target, self.until = target, until
+        self.position = 0
+
+
+class SimEvent:
+    def __init__(self, sim: "SimRuntime"):
+        self._sim = sim
+        self.stream: Optional[SimStream] = None  # None: never recorded
+        self.position = 0
+        self.seen_compute = 0
+
+    def record(self, stream: Optional["SimStream"] = None) -> None:
+        self._sim._record(self, stream)
+
+    def synchronize(self) -> None:
+        self._sim._event_synchronize(self)
+
+    def query(self) -> bool:
+        return self._sim._event_query(self)
+
+
+class SimStream:
+    def __init__(self, sim: "SimRuntime", number: int):
+        self._sim = sim
+        self.number = number
+        self.ops: list = []
+        self.trimmed = 0  # ops already run and dropped from the front of `ops`
+        self.done = 0     # absolute index of the next op to run
+        self.seen_compute = 0
+        self.waited: dict = {}  # other side stream -> position this stream is ordered after
+
+    @property
+    def is_compute(self) -> bool:
+        return self.number == 0
+
+    @property
+    def label(self) -> str:
+        return "the compute stream" if self.is_compute else f"side stream {self.number}"
+
+    @property
+    def issued(self) -> int:
+        return self.trimmed + len(self.ops)
+
+    def pending(self) -> list:
+        return self.ops[self.done - self.trimmed:]
+
+    def wait_event(self, event: SimEvent) -> None:
+        self._sim._wait_event(self, event)
+
+    def wait_stream(self, stream: "SimStream") -> None:
+        self._sim._wait_stream(self, stream)
+
+    def synchronize(self) -> None:
+        self._sim._stream_synchronize(self)
+
+    def query(self) -> bool:
+        with self._sim._lock:
+            return self.done == self.issued
+
+    def __repr__(self) -> str:
+        return f"<SimStream {self.label}>"
+
+
+class _ThreadState(threading.local):
+    def __init__(self):
+        self.stream: Optional[SimStream] = None
+        self.seen_compute = 0
+        self.device_depth = 0
+
+
+def _forward_hook(runtime_ref, module, args, output):
+    runtime = runtime_ref()
+    if runtime is not None and runtime._params:
+        runtime._note_forward(module)
+    return None
+
+
+class SimRuntime:
+    is_async = True
+    name = "sim:0"
+
+    _shared: Optional["SimRuntime"] = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, main_thread: Optional[threading.Thread] = None):
+        self.device = torch.device("cpu")
+        self.errors: list[SimRaceError] = []
+        self.compute_clock = 1
+        self._lock = threading.RLock()
+        self._main_ident = (main_thread or threading.current_thread()).ident
+        self._threads = _ThreadState()
+        self.compute = SimStream(self, 0)
+        self._streams = [self.compute]
+        self._seq = 0
+        self._allocations: dict[int, _Allocation] = {}
+        self._params: dict[int, _Param] = {}  # id(param) -> record (checked against the weakref)
+        self._pinned: dict[int, _Pinned] = {}
+        self._freed: list = []  # appended by finalizers only; handled at the next call (_settle)
+        self._live_bytes = 0
+        self._hook = None
+
+    @classmethod
+    def shared(cls) -> "SimRuntime":
+        """The process-wide simulated device (its main thread is the interpreter's)."""
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls(main_thread=threading.main_thread())
+            return cls._shared
+
+    @classmethod
+    def reset_shared(cls) -> None:
+        with cls._shared_lock:
+            old, cls._shared = cls._shared, None
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        """Remove the global forward hook (it also goes when the runtime is collected)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # ----------------------------------------------------------------- the seam
+    def host_empty(self, numel: int, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
+        if pinned and numel:
+            with self._lock:
+                self._settle()
+                record = _Pinned(_storage_key(t))
+                self._pinned[record.key] = record
+            weakref.finalize(t, self._freed.append, record)
+        return t
+
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
+        if not numel:
+            return t
+        _poison(t)  # reading memory nobody wrote fails visibly
+        with self._lock:
+            self._settle()
+            record = _Allocation(t, self.current_stream())
+            self._allocations[record.key] = record
+            self._live_bytes += record.nbytes
+        weakref.finalize(t, self._freed.append, record)
+        return t
+
+    def adopt(self, params) -> None:
+        with self._lock:
+            self._settle()
+            for p in params:
+                known = self._params.get(id(p))
+                if known is None or known.ref() is not p:
+                    self._params[id(p)] = _Param(p, self.compute)
+            if self._hook is None:
+                # After the forward, not before: forward pre-hooks (the engine's per-module wait)
+                # may still queue work the forward's kernels are ordered after.
+                register = torch.nn.modules.module.register_module_forward_hook
+                self._hook = register(functools.partial(_forward_hook, weakref.ref(self)))
+                weakref.finalize(self, self._hook.remove)
+
+    def current_stream(self) -> SimStream:
+        return self._threads.stream or self.compute
+
+    def new_stream(self) -> SimStream:
+        with self._lock:
+            stream = SimStream(self, len(self._streams))
+            self._streams.append(stream)
+            return stream
+
+    def new_event(self) -> SimEvent:
+        return SimEvent(self)
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: SimStream) -> Iterator[None]:
+        if stream._sim is not self:
+            raise ValueError(f"{stream!r} belongs to another simulated device")
+        previous = self._threads.stream
+        self._threads.stream = stream
+        try:
+            yield
+        finally:
+            self._threads.stream = previous
+
+    @contextlib.contextmanager
+    def thread_device(self) -> Iterator[None]:
+        self._threads.device_depth += 1
+        try:
+            yield
+        finally:
+            self._threads.device_depth -= 1
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self._lock:
+            self._settle()
+            self._check_thread_device("a copy")
+            stream = self.current_stream()
+            if dst.numel() == 0:
+                return
+            dst_buf, src_buf = self._owner(dst), self._owner(src)
+            kind = f"{'host' if src_buf is None else 'device'}->{'host' if dst_buf is None else 'device'} copy"
+            if stream.is_compute:
+                uses = [(buf, _storage_key(t)) for t, buf in ((dst, dst_buf), (src, src_buf)) if buf is not None]
+                self._fail(*self._missing_records(uses, stream, f"{kind} on {stream.label}"))
+                dst.copy_(src)  # on the user's tensor: a compute write bumps its version, as a kernel's would
+                return
+            self._merge_thread_into(stream)
+            if src_buf is not None:
+                self._check_raw(src, src_buf, stream, kind)
+            if dst_buf is not None:
+                self._check_war(dst, stream, kind)
+            host_sides = [t for t, buf in ((dst, dst_buf), (src, src_buf)) if buf is None]
+            sync = any(_storage_key(t) not in self._pinned for t in host_sides) or len(host_sides) == 2
+            self._seq += 1
+            op = _Copy(self._seq, stream, dst, src, dst_buf, src_buf, sync, f"{kind} on {stream.label}",
+                       self._label(src, src_buf))
+            self._order_pending_readers(op)
+            if sync:  # pageable host memory: the stream's work first, then the copy, blocking the caller
+                self._run_until(stream, stream.issued)
+                self._append(stream, op)
+                self._run_until(stream, stream.issued)
+                self._merge_into_thread(stream.seen_compute)
+            else:
+                _poison(op.dst)
+                self._append(stream, op)
+
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        with self._lock:
+            self._settle()
+            buf = self._owner(tensor)
+            if buf is not None:
+                buf.recorded.add((_storage_key(tensor), stream))
+
+    def memory_info(self) -> tuple[int, int]:
+        with self._lock:
+            self._settle()
+            return _TOTAL_BYTES - self._live_bytes, _TOTAL_BYTES
+
+    # ------------------------------------------------------------ test helpers
+    def synchronize_all(self) -> None:
+        """Run every queue to its end; the calling thread then knows all of it completed."""
+        with self._lock:
+            self._settle()
+            for stream in list(self._streams[1:]):
+                self._run_until(stream, stream.issued)
+                self._merge_into_thread(stream.seen_compute)
+            everything = SimEvent(self)
+            self._record(everything, self.compute, check_device=False)
+            self._merge_into_thread(everything.seen_compute)
+
+    def pending_ops(self) -> int:
+        with self._lock:
+            return sum(s.issued - s.done for s in self._streams)
+
+    # ------------------------------------------------------ streams and events
+    def _record(self, event: SimEvent, stream: Optional[SimStream], check_device: bool = True) -> None:
+        with self._lock:
+            self._settle()
+            if check_device:
+                self._check_thread_device("an event record")
+            stream = stream or self.current_stream()
+            event.stream = stream
+            if stream.is_compute:
+                for buf in [*self._allocations.values(), *self._params.values()]:
+                    self._scan_writes(buf)
+                event.position = 0
+                event.seen_compute = self.compute_clock
+                self.compute_clock += 1
+            else:
+                self._merge_thread_into(stream)
+                event.position = stream.issued
+                event.seen_compute = stream.seen_compute
+
+    def _event_query(self, event: SimEvent) -> bool:
+        with self._lock:
+            self._settle()
+            return event.stream is None or event.stream.done >= event.position
+
+    def _event_synchronize(self, event: SimEvent) -> None:
+        with self._lock:
+            self._settle()
+            if event.stream is None:
+                return
+            self._run_until(event.stream, event.position)
+            self._merge_into_thread(event.seen_compute)
+
+    def _stream_synchronize(self, stream: SimStream) -> None:
+        with self._lock:
+            self._settle()
+            self._run_until(stream, stream.issued)
+            self._merge_into_thread(stream.seen_compute)
+
+    def _wait_event(self, waiter: SimStream, event: SimEvent) -> None:
+        with self._lock:
+            self._settle()
+            self._check_thread_device("a stream wait")
+            if event.stream is None:
+                return
+            if waiter.is_compute:  # compute is eager: waiting means the producer runs now
+                self._run_until(event.stream, event.position)
+                return
+            self._merge_thread_into(waiter)
+            waiter.seen_compute = max(waiter.seen_compute, event.seen_compute)
+            other = event.stream
+            if not other.is_compute and other is not waiter:
+                self._append(waiter, _WaitFor(other, event.position))
+                waiter.waited[other] = max(waiter.waited.get(other, 0), event.position)
+
+    def _wait_stream(self, waiter: SimStream, stream: SimStream) -> None:
+        with self._lock:
+            marker = SimEvent(self)
+            self._record(marker, stream)
+            self._wait_event(waiter, marker)
+
+    def _append(self, stream: SimStream, op) -> None:
+        op.position = stream.issued
+        stream.ops.append(op)
+
+    def _run_until(self, stream: SimStream, position: int) -> None:
+        while stream.done < position:
+            op = stream.ops[stream.done - stream.trimmed]
+            stream.done += 1  # first: a wait marker may run a stream that waits back on this one
+            if isinstance(op, _WaitFor):
+                self._run_until(op.target, op.until)
+            else:
+                self._run_copy(op)
+        if stream.done - stream.trimmed > 256:
+            drop = stream.done - stream.trimmed
+            del stream.ops[:drop]
+            stream.trimmed += drop
+
+    def _run_copy(self, op: _Copy) -> None:
+        problems = []
+        if not op.sync:  # a synchronous copy has finished before anyone could free its tensors
+            problems += self._missing_records(op.uses, op.stream, op.label)
+        if not op.use_snapshot and not _same_bytes(op.snapshot, op.src):
+            culprit = ("the host wrote it before synchronizing the copy's event" if op.src_host else
+                       "the compute stream wrote it without waiting for the copy's event")
+            problems.append(f"the source of a {op.label}, {op.src_label}, was written while the copy was "
+                            f"in flight: {culprit} (missing synchronisation before the write)")
+        op.dst.copy_(op.snapshot if op.use_snapshot else op.src)
+        for later in self._pending_copies():
+            if later.src_key == op.dst_key and later.seq > op.seq and not later.use_snapshot:
+                later.snapshot = later.src.clone()  # it was issued to read what this copy writes
+        op.release()
+        self._fail(*problems)
+
+    def _order_pending_readers(self, op: _Copy) -> None:
+        # A pending copy that reads what `op` will poison keeps its snapshot when it is ordered
+        # before `op` (same stream, or op's stream waited past it); otherwise the poison is a race.
+        for reader in self._pending_copies():
+            if reader.src_key != op.dst_key:
+                continue
+            if reader.stream is op.stream or op.stream.waited.get(reader.stream, 0) > reader.position:
+                reader.use_snapshot = True
+
+    def _pending_copies(self) -> Iterator[_Copy]:
+        for stream in self._streams[1:]:
+            for op in stream.pending():
+                if isinstance(op, _Copy):
+                    yield op
+
+    # ------------------------------------------------------------- the checks
+    def _check_thread_device(self, what: str) -> None:
+        if threading.get_ident() != self._main_ident and self._threads.device_depth == 0:
+            self._fail(f"thread {threading.current_thread().name!r} issues {what} on {self.name} but its "
+                       f"current device is not {self.name} (enter the device guard: runtime.thread_device())")
+
+    def _check_raw(self, src: torch.Tensor, buf: _DeviceBuffer, stream: SimStream, kind: str) -> None:
+        self._scan_writes(buf)
+        if buf.last_write > stream.seen_compute:
+            self._fail(f"{kind} on {stream.label} reads {self._label(src, buf)} written on the compute stream "
+                       "after the last event it waited for (missing wait_stream/wait_event on the compute "
+                       "stream)")
+
+    def _check_war(self, dst: torch.Tensor, stream: SimStream, kind: str) -> None:
+        key, (start, end) = _storage_key(dst), _byte_span(dst)
+        for param_buf in list(self._params.values()):
+            p = param_buf.ref()
+            if p is None or not p.numel() or _storage_key(p) != key:
+                continue
+            p_start, p_end = _byte_span(p)
+            if p_start < end and start < p_end and param_buf.last_read > stream.seen_compute:
+                self._fail(f"{kind} on {stream.label} writes {self._label(p, param_buf)} which a module forward "
+                           "read on the compute stream after the last event this stream waited for: a compute "
+                           "kernel queued before may still read it: missing fence (wait_event on an event "
+                           "recorded on the compute stream after that forward)")
+
+    def _missing_records(self, uses, stream: SimStream, label: str) -> list[str]:
+        problems = []
+        for buf, key in uses:
+            if buf.alloc_stream is not stream and (key, stream) not in buf.recorded:
+                t = buf.ref()
+                name = self._label(t, buf) if t is not None else getattr(buf, "label", "a device tensor")
+                problems.append(f"{name} used on {stream.label} ({label}) without record_stream: if it were "
+                                f"freed or replaced before {stream.label} ran, its memory could be reused")
+        return problems
+
+    def _scan_writes(self, buf: _DeviceBuffer) -> None:
+        t = buf.ref()
+        if t is not None and t._version != buf.seen_version:
+            buf.seen_version = t._version
+            buf.last_write = self.compute_clock
+
+    def _note_forward(self, module: torch.nn.Module) -> None:
+        with self._lock:
+            touched = False
+            for p in module._parameters.values():
+                buf = self._params.get(id(p)) if p is not None else None
+                if buf is not None and buf.ref() is p:
+                    buf.last_read = self.compute_clock
+                    touched = True
+            if touched:
+                self.compute_clock += 1
+
+    def _settle(self) -> None:
+        """Handle buffers freed since the last call (finalizers only queue them)."""
+        problems = []
+        while self._freed:
+            record = self._freed.pop(0)
+            if isinstance(record, _Pinned):
+                if self._pinned.get(record.key) is record:
+                    del self._pinned[record.key]
+                continue
+            if self._allocations.get(record.key) is record:
+                del self._allocations[record.key]
+                self._live_bytes -= record.nbytes
+            for stream in self._streams:
+                if stream is record.alloc_stream or (record.key, stream) in record.recorded:
+                    continue
+                if any(isinstance(op, _Copy) and record.key in (op.src_key, op.dst_key) for op in stream.pending()):
+                    problems.append(f"{record.label} freed while {stream.label} still has work on it and no "
+                                    f"record_stream(tensor, {stream.label}) was called")
+        self._fail(*problems)
+
+    # ----------------------------------------------------------------- helpers
+    def _owner(self, t: torch.Tensor) -> Optional[_DeviceBuffer]:
+        if not t.numel():
+            return None
+        key = _storage_key(t)
+        allocation = self._allocations.get(key)
+        if allocation is not None:
+            return allocation
+        for param_buf in list(self._params.values()):
+            p = param_buf.ref()
+            if p is not None and p.numel() and _storage_key(p) == key:
+                return param_buf
+        return None
+
+    def _label(self, t: torch.Tensor, buf: Optional[_DeviceBuffer]) -> str:
+        if isinstance(buf, _Param):
+            return _describe(t, "parameter (device)")
+        if buf is not None:
+            return _describe(t, "device tensor")
+        return _describe(t, "pinned host buffer" if _storage_key(t) in self._pinned else "pageable host buffer")
+
+    def _merge_thread_into(self, stream: SimStream) -> None:
+        stream.seen_compute = max(stream.seen_compute, self._threads.seen_compute)
+
+    def _merge_into_thread(self, seen_compute: int) -> None:
+        self._threads.seen_compute = max(self._threads.seen_compute, seen_compute)
+
+    def _fail(self, *messages: str) -> None:
+        """Record and raise the first of `messages` (none: nothing to report)."""
+        if not messages:
+            return
+        errors = [SimRaceError(m) for m in messages]
+        self.errors.extend(errors)
+        raise errors[0]
