@@ -29,10 +29,10 @@ def test_the_first_run_build_time_is_next_to_about_a_minute():
 
 def test_readme_and_tiny_recipe_quote_the_same_measurements():
     header = (REPO / "recipes" / "tiny_llama_cpu.yaml").read_text().split("\nmodel:")[0]
-    for figure in re.findall(r"(\d+) s wall in all, (\d+) s of it training \(([\d,]+) tokens/s", header):
-        wall, training, rate = figure
+    figures = re.findall(r"(\d+) s wall in all, (\d+) s of it training \(~?([\d,]+) tokens/s", header)
+    assert figures, header
+    for wall, training, rate in figures:
         assert f"({wall} s wall, {training} s of" in README and f"tokens/s       {rate}" in README
-    assert re.search(r"\d+ s wall in all", header)
 
 
 def test_no_stale_advice_to_quote_on_and_off():

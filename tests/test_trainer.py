@@ -27,6 +27,7 @@ from superoffload_hf.integrations.callback import LOG_PREFIX, SuperOffloadCallba
 from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
 from superoffload_hf.integrations.trainer_hooks import check_hook_points
 
+from _checkpoints import write_checkpoint
 from _models import tiny_batch, tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
@@ -269,6 +270,21 @@ def test_resume_without_the_optimizer_state_is_refused_unless_weights_only_is_as
     assert resumed.state.global_step == 8 and train_logs(resumed)[0]["step"] == 1
     differs = [not torch.equal(a, b) for a, b in zip(uninterrupted.model.parameters(), resumed.model.parameters())]
     assert any(differs)
+
+
+def test_a_stock_trainer_patched_by_the_launcher_refuses_missing_optimizer_state_too(tmp_path):
+    import transformers
+
+    from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
+    from superoffload_hf.integrations.trainer_hooks import SuperOffloadHooks
+
+    write_checkpoint(tmp_path / "out" / "checkpoint-4", optimizer=False)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, use_cpu=True,
+                                          report_to="none", save_strategy="no", per_device_train_batch_size=4)
+    trainer = transformers.Trainer(model=tiny_llama(num_layers=2), args=args, train_dataset=TinyDataset())
+    SuperOffloadHooks(trainer, SuperOffloadPlugin(**SPECULATE)).bind_to_trainer()  # what autopatch does
+    with pytest.raises(ResumeError, match=r"checkpoint-4': it has no optimizer.pt"):
+        trainer.train(resume_from_checkpoint=True)
 
 
 def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog):
