@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from superoffload_hf.config import ConfigError
-from superoffload_hf.train.recipe import Recipe, RecipeError, load_recipe
+from superoffload_hf.config import ConfigError, SuperOffloadConfig
+from superoffload_hf.engine.checkpoint import CorruptStateError
+from superoffload_hf.integrations.resume import ResumeError
+from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeError, TokenizerSpec, load_recipe
 
 USAGE = """usage: superoffload train RECIPE.yaml [--dry-run] [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
@@ -48,22 +50,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def train_command(argv: Sequence[str]) -> int:
     """`superoffload train RECIPE.yaml [--dry-run] [overrides]`: 0 on success, 2 on a bad recipe."""
-    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
-        print(USAGE, file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE + "\n" + recipe_keys_help())
+        return 0
+    if not argv or argv[0].startswith("--"):
+        print(USAGE, file=sys.stderr)
+        return 2
     dry_run = "--dry-run" in argv[1:]
     overrides = [token for token in argv[1:] if token != "--dry-run"]
     try:
         recipe = load_recipe(argv[0], overrides)
+        for warning in recipe.warnings:
+            print(f"superoffload train: warning: {warning}", file=sys.stderr)
         if dry_run:
             print(_dump_yaml(recipe.to_dict()), end="")
             return 0
         summary = train(recipe)
-    except (RecipeError, ConfigError) as exc:
+    except (RecipeError, ConfigError, CorruptStateError, ResumeError) as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)
         return 2
     print(summary.format())
     return 0
+
+
+def recipe_keys_help() -> str:
+    """The recipe sections and their keys (defaults in brackets), for `superoffload train --help`."""
+    import dataclasses
+
+    def keys(cls) -> str:
+        return ", ".join(f.name if f.default is dataclasses.MISSING else f"{f.name} [{f.default}]"
+                         for f in dataclasses.fields(cls) if f.init)
+
+    return "\n".join([
+        "recipe sections and keys (override any with --section.key value; README \"Config fields\"):",
+        f"  model:         {keys(ModelSpec)}   (exactly one of config / name_or_path)",
+        f"  tokenizer:     {keys(TokenizerSpec)}",
+        f"  data:          {keys(DataSpec)}   (exactly one of shipped_corpus / name / files)",
+        "  training:      any transformers.TrainingArguments field (output_dir required), plus",
+        "                 resume_from_checkpoint [true: newest complete checkpoint | a directory] and",
+        "                 resume_weights_only [false: refuse a checkpoint without optimizer state]",
+        f"  superoffload:  {', '.join(SuperOffloadConfig.field_names())}   (or false: stock optimizer)",
+        "",
+    ])
 
 
 def _dump_yaml(values: dict) -> str:
@@ -142,9 +170,13 @@ def train(recipe: Recipe) -> "TrainSummary":
     from transformers import default_data_collator, set_seed
 
     from superoffload_hf import Trainer
+    from superoffload_hf.integrations.resume import load_weights_only
     from superoffload_hf.train.data import build_dataset
 
     args = build_training_arguments(recipe)
+    resume = recipe.resume_plan()  # checked again: the recipe was validated before anything loaded
+    for line in resume.describe():
+        print(f"superoffload train: {line}", flush=True)
     set_seed(args.seed)  # before the model is built: a random init is reproducible
     tokenizer = build_tokenizer(recipe)
     model = build_model(recipe, tokenizer)
@@ -155,7 +187,10 @@ def train(recipe: Recipe) -> "TrainSummary":
         model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
         processing_class=tokenizer, callbacks=[recorder.callback()],
     )
-    output = trainer.train(resume_from_checkpoint=recipe.training.get("resume_from_checkpoint") or None)
+    if resume.weights_only:
+        load_weights_only(trainer, resume.checkpoint)
+    full_resume = None if resume.checkpoint is None or resume.weights_only else str(resume.checkpoint)
+    output = trainer.train(resume_from_checkpoint=full_resume)
     checkpoint = _final_checkpoint(trainer, args)
     return _summarize(recipe, args, trainer, output, recorder, checkpoint)
 
@@ -197,8 +232,11 @@ class _RunRecorder:
         recorder = self
 
         class _Callback(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
+            def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
                 recorder.start_step = state.global_step  # already the checkpoint's step on resume
+                describe = getattr(optimizer, "describe", None)  # ours, through Accelerate's wrapper
+                if describe is not None:
+                    print(f"  engine     {describe()}", flush=True)
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs and "loss" in logs:

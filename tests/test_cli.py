@@ -112,7 +112,105 @@ def test_stock_optimizer_recipe_trains_and_reports_no_offload_counters(tmp_path,
     assert (tmp_path / "checkpoint-2" / "model.safetensors").is_file()
 
 
+def copy_of(out: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(out, tmp_path / "out", ignore=shutil.ignore_patterns("checkpoint-5")))
+
+
+def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash_and_says_so(three_step_run, tmp_path, capsys, offline):
+    out = copy_of(three_step_run[0], tmp_path)
+    crashed = out / "checkpoint-4"  # killed while torch.save wrote optimizer.pt
+    crashed.mkdir()
+    (crashed / "model.safetensors").write_bytes((out / "checkpoint-3" / "model.safetensors").read_bytes())
+    (crashed / "optimizer.pt").write_bytes(b"")
+    code = main(["train", TINY, "--training.max_steps", "5", "--training.output_dir", str(out),
+                 "--training.resume_from_checkpoint", "true", *FAST])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert f"skipped incomplete checkpoint {crashed}: it has no trainer_state.json" in printed
+    assert f"resuming from {out / 'checkpoint-3'}: everything" in printed
+    assert re.search(r"resumed from\s+step 3\n", printed), printed
+
+
+def test_resume_without_optimizer_state_is_refused_before_loading_unless_weights_only(three_step_run, tmp_path, capsys,
+                                                                                       monkeypatch, offline):
+    out = copy_of(three_step_run[0], tmp_path)
+    (out / "checkpoint-3" / "optimizer.pt").unlink()
+    args = ["train", TINY, "--training.max_steps", "2", "--training.output_dir", str(out),
+            "--training.resume_from_checkpoint", "true", *FAST]
+    with monkeypatch.context() as patch:
+        patch.setattr(cli, "train", lambda recipe: pytest.fail("train() ran"))
+        assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint-3': it has no optimizer.pt" in err and "--training.resume_weights_only true" in err
+    assert main([*args, "--training.resume_weights_only", "true"]) == 0
+    printed = capsys.readouterr().out
+    assert "the model weights only (fresh optimizer and schedule, step 0)" in printed
+    assert re.search(r"steps\s+2 \(global step 2\)", printed), printed
+
+
+def test_damaged_optimizer_state_is_refused_naming_the_tensor(three_step_run, tmp_path, capsys, offline):
+    out = copy_of(three_step_run[0], tmp_path)
+    saved = torch.load(out / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    saved["state"][0]["exp_avg"].view(-1)[:1024] = 0.5  # 4 KB of finite garbage in a moment
+    torch.save(saved, out / "checkpoint-3" / "optimizer.pt")
+    code = main(["train", TINY, "--training.max_steps", "5", "--training.output_dir", str(out),
+                 "--training.resume_from_checkpoint", "true", *FAST])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "optimizer state is corrupt: state[0]['exp_avg'] does not match the checksum" in err
+
+
+def test_the_cli_prints_which_host_adam_runs(three_step_run):
+    _, proc = three_step_run
+    assert re.search(r"engine\s+.*host Adam (cpp|reference)/\w+ ", proc.stdout), proc.stdout
+
+
 # ---- arguments and bad inputs -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--training.learning_rate", "-1"], "`training.learning_rate` is -1; expected a number >= 0."),
+    (["--training.weight_decay", "-0.1"], "`training.weight_decay` is -0.1; expected a number >= 0."),
+    (["--training.adam_beta1", "1.5"], "`training.adam_beta1` is 1.5; expected a number in [0, 1)."),
+    (["--training.adam_epsilon", "-1"], "`training.adam_epsilon` is -1; expected a number >= 0."),
+    (["--training.per_device_train_batch_size", "0"], "`training.per_device_train_batch_size` is 0; expected an integer >= 1."),
+    (["--training.gradient_accumulation_steps", "0"], "`training.gradient_accumulation_steps` is 0; expected an integer >= 1."),
+    (["--model.config.hidden_size", "130"], "`model.config.hidden_size` is 130, not divisible by `num_attention_heads` (4)"),
+    (["--model.config.num_key_value_heads", "3"], "`model.config.num_key_value_heads` is 3; expected a divisor of `num_attention_heads` (4)"),
+])
+def test_values_that_would_fail_after_loading_are_refused_by_dry_run(override, message, capsys):
+    assert main(["train", TINY, *override, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("superoffload train: error:") and message in err and err.count("\n") == 1, err
+
+
+def test_a_data_file_that_is_not_utf8_text_is_refused_by_dry_run(tmp_path, capsys):
+    data = tmp_path / "notes.txt"
+    data.write_bytes("caf\u00e9 ok\n".encode() + b"\xff\xfe bad\n")
+    assert main(["train", TINY, "--data.shipped_corpus", "false", "--data.files", f"[{data}]", "--dry-run"]) == 2
+    assert f"`data.files` holds '{data}', which is not UTF-8 text (byte 9" in capsys.readouterr().err
+
+
+def test_more_host_threads_than_cores_warns(capsys):
+    assert main(["train", TINY, "--superoffload.host_threads", "1000", "--dry-run"]) == 0
+    assert "warning: `superoffload.host_threads` is 1000 but this process may run on" in capsys.readouterr().err
+
+
+def test_an_accelerate_config_given_to_train_points_to_launch(capsys):
+    config = str(REPO / "recipes" / "accelerate" / "superoffload.yaml")
+    assert main(["train", config, "--dry-run"]) == 2
+    assert f"is an accelerate config (it has `compute_environment`), not a recipe. Start a training script with it: `superoffload launch --config_file {config}" in capsys.readouterr().err
+
+
+def test_train_help_lists_the_recipe_sections_and_keys(capsys):
+    assert main(["train", "--help"]) == 0
+    printed = capsys.readouterr().out
+    for line in ("  model:         config [None], name_or_path [None], dtype [auto]", "  data:          seq_len, shipped_corpus [False]",
+                 "  tokenizer:     shipped [False]", "resume_weights_only", "  superoffload:  bucket_size_mb, device_buckets"):
+        assert line in printed, printed
+
 
 
 def test_no_arguments_prints_usage_and_fails(capsys):

@@ -156,3 +156,51 @@ def test_stale_torch_lock_file_does_not_hang_and_concurrent_loads_agree(grace_ad
         assert out.strip() == name
     assert (cache / name / "build-complete").is_file()
     assert not (cache / name / "lock").exists()
+
+
+def _under_a_file(tmp_path: Path) -> Path:
+    (tmp_path / "a-file").write_text("")
+    return tmp_path / "a-file" / "cache"
+
+
+@pytest.mark.parametrize("where", [lambda tmp: Path("/proc/nope"), _under_a_file], ids=["proc", "under-a-file"])
+def test_an_unwritable_cache_falls_back_in_auto_and_names_the_directory_in_cpp(fresh_loader, monkeypatch, where):
+    cache = where(fresh_loader)
+    monkeypatch.setenv(kernel.CACHE_DIR_ENV, str(cache))
+    with pytest.warns(RuntimeWarning, match=rf"(?s)cache directory {cache} is not writable.*Falling back"):
+        assert kernel.get_host_adam("auto", threads=1).name == "reference"
+    with pytest.raises(kernel.KernelBuildError, match=rf"{cache} is not writable .*Set {kernel.CACHE_DIR_ENV} to a writable"):
+        kernel.get_host_adam("cpp")
+
+
+def test_a_read_only_cache_holding_the_build_loads_it_without_the_lock(grace_adam_extension, tmp_path):
+    # The lock file cannot be created (a directory stands in its place, as a read-only mount
+    # refuses it): a finished build must load all the same, in a new process.
+    name = f"grace_adam_{kernel.build_key(kernel.SOURCE_DIR)}"
+    cache = tmp_path / "cache"
+    shutil.copytree(kernel.cache_root() / name, cache / name)
+    (cache / f"{name}.lock").unlink(missing_ok=True)
+    (cache / f"{name}.lock").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", **{kernel.CACHE_DIR_ENV: str(cache)})
+    env.pop(kernel.FORCE_REFERENCE_ENV, None)
+    code = "from superoffload_hf.host import kernel; print(kernel.get_host_adam('cpp', threads=1).name)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and proc.stdout.strip() == "cpp", proc.stderr[-3000:]
+
+
+def test_the_first_build_says_that_it_builds_and_where_it_caches(failing_compiler, capfd):
+    with pytest.warns(RuntimeWarning):
+        kernel.get_host_adam("auto")
+    err = capfd.readouterr().err
+    assert "[superoffload] building the GraceAdam host Adam kernel (first use; about 40 s on 2 cores) in " in err
+    assert f"{kernel.cache_root()}" in err and "cached there for later runs" in err
+
+
+def test_sources_are_found_in_the_installed_package_first(monkeypatch, tmp_path):
+    package = tmp_path / "site-packages" / "superoffload_hf"
+    (package / "_csrc" / "grace_adam").mkdir(parents=True)
+    (package / "host").mkdir()
+    monkeypatch.setattr(kernel, "__file__", str(package / "host" / "kernel.py"))
+    assert kernel._find_source_dir() == package / "_csrc" / "grace_adam"
+    (package / "_csrc" / "grace_adam").rmdir()
+    assert kernel._find_source_dir() == tmp_path / "site-packages" / "csrc" / "grace_adam"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from superoffload_hf import SuperOffloadAdamW
+from superoffload_hf.engine import checkpoint
 
 from _models import (  # noqa: F401  (one_torch_thread is a fixture)
     GradPoison,
@@ -304,3 +305,25 @@ def test_loaded_param_group_hyperparameters_take_effect():
             assert_params_close(model, ref_model, f"step {step}")
     finally:
         opt.close()
+
+
+def test_state_damaged_after_saving_is_refused_naming_the_tensor_and_changes_nothing():
+    # Finite garbage in a moment: without a checksum this resumed "successfully" to a wrong run.
+    config = engine_config(speculation="on")
+    model, opt = build(config)
+    fresh_model, fresh_opt = build(config)
+    try:
+        train(model, opt, range(2))
+        saved = save_and_load(opt.state_dict())
+        assert set(saved["superoffload"]["checksums"]) == set(saved["state"])
+        before = state_tensors(fresh_opt)
+        index = sorted(saved["state"])[-1]
+        saved["state"][index]["exp_avg_sq"].view(-1)[:16] = 0.125
+        with pytest.raises(checkpoint.CorruptStateError, match=rf"state\[{index}\]\['exp_avg_sq'\].*checksum.*earlier checkpoint"):
+            fresh_opt.load_state_dict(saved)
+        assert_state_equal(state_tensors(fresh_opt), before, "after the refused load")
+        del saved["superoffload"]["checksums"]  # a state dict saved without checksums loads unchecked
+        fresh_opt.load_state_dict(saved)
+    finally:
+        opt.close()
+        fresh_opt.close()

@@ -18,6 +18,8 @@ from superoffload_hf.train.recipe import (
     recipe_from_dict,
 )
 
+from _checkpoints import write_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
@@ -311,10 +313,13 @@ def test_resume_from_a_directory_that_does_not_exist_says_what_to_give(tmp_path)
         recipe_from_dict(minimal_recipe(training={"resume_from_checkpoint": str(tmp_path / "checkpoint-3")}))
 
 
-def test_resume_true_without_a_checkpoint_in_output_dir_says_to_run_first(tmp_path):
-    with pytest.raises(RecipeError, match=r"holds no checkpoint-N directory; run without it first"):
+def test_resume_true_without_a_complete_checkpoint_in_output_dir_says_to_run_first(tmp_path):
+    with pytest.raises(RecipeError, match=r"holds no complete checkpoint \(no checkpoint-N directory at all\). Run without resuming"):
         recipe_from_dict(minimal_recipe(training={"output_dir": str(tmp_path), "resume_from_checkpoint": True}))
-    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4").mkdir()  # what a run killed while saving leaves
+    with pytest.raises(RecipeError, match=r"checkpoint-4: it has no trainer_state.json"):
+        recipe_from_dict(minimal_recipe(training={"output_dir": str(tmp_path), "resume_from_checkpoint": True}))
+    write_checkpoint(tmp_path / "checkpoint-4")
     assert recipe_from_dict(minimal_recipe(training={"output_dir": str(tmp_path), "resume_from_checkpoint": True}))
 
 

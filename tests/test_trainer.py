@@ -22,10 +22,12 @@ from transformers import HfArgumentParser, TrainerCallback
 
 from superoffload_hf.config import ConfigError
 from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptimizer, SuperOffloadLossScaler
+from superoffload_hf.integrations.resume import ResumeError
 from superoffload_hf.integrations.callback import LOG_PREFIX, SuperOffloadCallback, unwrap_optimizer
 from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
 from superoffload_hf.integrations.trainer_hooks import check_hook_points
 
+from _checkpoints import write_checkpoint
 from _models import tiny_batch, tiny_llama
 
 pytestmark = [pytest.mark.usefixtures("device_mode"), pytest.mark.timeout(300)]
@@ -252,16 +254,66 @@ def test_resume_from_checkpoint_continues_bit_identically(tmp_path):
     assert train_logs(resumed)[-1]["loss"] == train_logs(uninterrupted)[-1]["loss"]
 
 
-def test_resume_without_the_optimizer_state_would_diverge(tmp_path):
-    """The resume test above can fail: dropping optimizer.pt changes the result."""
+def test_resume_without_the_optimizer_state_is_refused_unless_weights_only_is_asked_for(tmp_path):
+    """The stock Trainer would start a fresh optimizer and LR schedule at step 4 and say it resumed."""
     overrides = dict(max_steps=8, save_strategy="steps", save_steps=4, max_grad_norm=0.5)
     uninterrupted = train(make_args(tmp_path, "straight", **overrides))
     train(make_args(tmp_path, "interrupted", **overrides), callbacks=[StopAt(4)])
     checkpoint = tmp_path / "interrupted" / "checkpoint-4"
     os.remove(checkpoint / "optimizer.pt")
-    resumed = train(make_args(tmp_path, "interrupted", **overrides), resume=str(checkpoint))
+    with pytest.raises(ResumeError, match=r"has no optimizer.pt.*resume_weights_only"):
+        train(make_args(tmp_path, "interrupted", **overrides), resume=str(checkpoint))
+    with pytest.raises(ResumeError, match=r"has no optimizer.pt"):  # `True` too: the newest complete one
+        train(make_args(tmp_path, "interrupted", **overrides), resume=True)
+    # Deliberately: the weights of step 4, then 8 fresh steps (the dropped state changes the result).
+    resumed = train(make_args(tmp_path, "interrupted", resume_weights_only=True, **overrides), resume=str(checkpoint))
+    assert resumed.state.global_step == 8 and train_logs(resumed)[0]["step"] == 1
     differs = [not torch.equal(a, b) for a, b in zip(uninterrupted.model.parameters(), resumed.model.parameters())]
     assert any(differs)
+
+
+def test_a_stock_trainer_patched_by_the_launcher_refuses_missing_optimizer_state_too(tmp_path):
+    import transformers
+
+    from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
+    from superoffload_hf.integrations.trainer_hooks import SuperOffloadHooks
+
+    write_checkpoint(tmp_path / "out" / "checkpoint-4", optimizer=False)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, use_cpu=True,
+                                          report_to="none", save_strategy="no", per_device_train_batch_size=4)
+    trainer = transformers.Trainer(model=tiny_llama(num_layers=2), args=args, train_dataset=TinyDataset())
+    SuperOffloadHooks(trainer, SuperOffloadPlugin(**SPECULATE)).bind_to_trainer()  # what autopatch does
+    with pytest.raises(ResumeError, match=r"checkpoint-4': it has no optimizer.pt"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog):
+    overrides = dict(max_steps=8, save_strategy="steps", save_steps=4, max_grad_norm=0.5)
+    uninterrupted = train(make_args(tmp_path, "straight", **overrides))
+    train(make_args(tmp_path, "interrupted", **overrides), callbacks=[StopAt(4)])
+    crashed = tmp_path / "interrupted" / "checkpoint-6"  # killed while writing the optimizer state
+    crashed.mkdir()
+    (crashed / "model.safetensors").write_bytes((tmp_path / "interrupted" / "checkpoint-4" / "model.safetensors").read_bytes())
+    (crashed / "optimizer.pt").write_bytes(b"")
+    with caplog.at_level("WARNING", logger="superoffload_hf"):
+        resumed = train(make_args(tmp_path, "interrupted", **overrides), resume=True)
+    assert f"skipped incomplete checkpoint {crashed}: it has no trainer_state.json" in caplog.text
+    assert f"resuming from {tmp_path / 'interrupted' / 'checkpoint-4'}" in caplog.text
+    for (name, expected), (_, actual) in zip(uninterrupted.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(actual, expected), name
+
+
+def test_the_optimizer_users_hold_answers_the_superoffload_read_outs(tmp_path):
+    trainer = train(make_args(tmp_path, "run", max_steps=2))
+    wrapper = trainer.optimizer
+    inner = wrapper.optimizer
+    assert isinstance(wrapper, SuperOffloadAcceleratedOptimizer)
+    assert wrapper.describe() == inner.describe() and "host Adam" in wrapper.describe()
+    assert wrapper.summary() == inner.summary()
+    assert wrapper.plan is inner.plan and wrapper.counters is inner.counters and wrapper.host_adam is inner.host_adam
+    assert wrapper.counters.steps == 2
+    assert wrapper.last_step_skipped is False and wrapper.last_grad_norm == inner.last_grad_norm is not None
+    wrapper.synchronize()
 
 
 # ---- arguments -------------------------------------------------------------------------------------
@@ -294,6 +346,11 @@ def test_superoffload_config_alone_turns_superoffload_on_and_accepts_json(tmp_pa
     assert args.superoffload is True
     assert args.superoffload_config == {"speculation": "on"}
     json.dumps(args.to_dict())  # still serialisable for logs and checkpoints
+
+
+def test_broken_json_in_superoffload_config_names_the_argument(tmp_path):
+    with pytest.raises(ValueError, match=r"`superoffload_config` is '\{\"speculation\": off\}', which starts like JSON but is not valid JSON"):
+        parse(["--output_dir", str(tmp_path), "--superoffload_config", '{"speculation": off}'])
 
 
 def test_unknown_superoffload_key_fails_with_a_clear_message(tmp_path):

@@ -3,17 +3,24 @@
     {"state": {i: {"step": int, "exp_avg": T, "exp_avg_sq": T, "master_param": T}},
      "param_groups": [{..hyperparameters.., "params": [i, ...]}],
      "superoffload": {"format_version": 1, "loss_scale": {..}, "speculation": {..},
-                      "counters": {..}, "plan": None | {"ready_order", "deferred", "device_buckets"}}}
+                      "counters": {..}, "plan": None | {"ready_order", "deferred", "device_buckets"},
+                      "checksums": {i: {"exp_avg": crc32, "exp_avg_sq": crc32, "master_param": crc32}}}}
 
 As in torch.optim, a parameter has an entry only once it has been stepped. Tensors are shaped
 like their parameter, so a checkpoint loads under another bucket size or
 device-bucket count; `torch.load(weights_only=True)` reads it, with any `map_location`.
 Loading copies everything back into the engine's fp32 buffers (host or device) and refreshes the
 device parameters from the masters.
+
+Checksums: the CRC-32 of every state tensor's fp32 bytes is stored with the state and checked on
+load, before anything changes, so a file damaged on disk (finite garbage in a moment resumes
+"successfully" otherwise, and trains to a different loss) is refused with the parameter and key
+it hit. A state dict without checksums (older versions, torch.optim) loads unchecked.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Mapping
 
 import torch
@@ -22,14 +29,26 @@ FORMAT_VERSION = 1
 MOMENT_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master_param": "master"}
 
 
+class CorruptStateError(ValueError):
+    """An optimizer state tensor does not match the checksum saved with it."""
+
+
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 of a tensor's values as contiguous CPU fp32 bytes (a read: no copy when the tensor
+    already is one)."""
+    values = tensor.detach().to("cpu", torch.float32).contiguous()
+    return zlib.crc32(values.reshape(-1).numpy()) if values.numel() else 0
+
+
 def state_dict(engine, groups: list[dict]) -> dict:
     engine.synchronize()
-    state = {}
+    state, checksums = {}, {}
     for index, step in enumerate(engine.param_steps):
         if step == 0:
             continue  # as torch.optim: no state before a parameter's first step
         values = engine.export_param(index)
         state[index] = {"step": int(step), **{key: values[name] for key, name in MOMENT_KEYS.items()}}
+        checksums[index] = {key: tensor_crc32(values[name]) for key, name in MOMENT_KEYS.items()}
     return {
         "state": dict(sorted(state.items())),
         "param_groups": _groups_with_indices(groups),
@@ -39,6 +58,7 @@ def state_dict(engine, groups: list[dict]) -> dict:
             "speculation": engine.policy.state_dict(),
             "counters": engine.counters.as_dict(),
             "plan": engine.learned,
+            "checksums": dict(sorted(checksums.items())),
         },
     }
 
@@ -51,6 +71,7 @@ def load_state_dict(engine, groups: list[dict], sd: Mapping[str, Any]) -> None:
             raise ValueError(f"The state dict has state for parameter {index}; this optimizer has "
                              f"{len(engine.params)} parameters (0..{len(engine.params) - 1}).")
         _check_entry(entry, index, tuple(engine.params[index].shape))
+    _check_checksums(saved_state, (sd.get("superoffload") or {}).get("checksums"))
     engine.synchronize()
     if engine.has_pending_gradients():
         raise RuntimeError("load_state_dict() was called between backward and step(); load a checkpoint "
@@ -93,6 +114,20 @@ def _check_entry(entry: Mapping[str, Any], index: int, shape: tuple) -> None:
         if value.numel() != torch.Size(shape).numel():
             raise ValueError(f"state[{index}][{key!r}] has shape {tuple(value.shape)}; parameter {index} has "
                              f"shape {shape}. Is this checkpoint from another model?")
+
+
+def _check_checksums(saved_state: Mapping[int, Mapping[str, Any]], checksums: Any) -> None:
+    if not checksums:
+        return  # saved without checksums: nothing to verify against
+    checksums = {int(index): entry for index, entry in checksums.items()}
+    for index, entry in saved_state.items():
+        for key, expected in checksums.get(index, {}).items():
+            if key in entry and tensor_crc32(entry[key]) != int(expected):
+                raise CorruptStateError(
+                    f"The optimizer state is corrupt: state[{index}][{key!r}] does not match the checksum "
+                    "saved with it (the file was damaged after it was written). Resume from an earlier "
+                    "checkpoint, or, deliberately, resume the model weights only with a fresh optimizer."
+                )
 
 
 def _check_layout(sd: Mapping[str, Any], groups: list[dict]) -> None:

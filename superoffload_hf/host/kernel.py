@@ -4,11 +4,12 @@
 serves it (``name``, ``isa``, ``threads``, ``adam_step_``, ``adam_rollback_``, ``sum_squares``,
 ``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.host.reference`.
 
-The kernel (csrc/grace_adam/) is built once with ``torch.utils.cpp_extension.load`` + ninja into
-a cache directory keyed by the sources, flags, torch, Python and platform
-(``~/.cache/superoffload_hf/``, or ``$SUPEROFFLOAD_CACHE_DIR``), and later processes load the
-cached library without rebuilding. One build serves every instruction set: each ISA file selects
-its own target, and the ISA is chosen at run time. ``SUPEROFFLOAD_FORCE_REFERENCE=1`` forces
+The kernel (csrc/grace_adam/; in a wheel, superoffload_hf/_csrc/grace_adam/) is built once with
+``torch.utils.cpp_extension.load`` + ninja into a cache directory keyed by the sources, flags,
+torch, Python and platform (``~/.cache/superoffload_hf/``, or ``$SUPEROFFLOAD_CACHE_DIR``), and
+later processes load the cached library without rebuilding; a finished build loads without the
+cache's lock, so the cache may be read-only once it holds the build. One build serves every
+instruction set: each ISA file selects its own target, and the ISA is chosen at run time. ``SUPEROFFLOAD_FORCE_REFERENCE=1`` forces
 the reference.
 """
 
@@ -23,6 +24,7 @@ import platform
 import shutil
 import sys
 import threading
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,7 +40,17 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17")
 FORCE_REFERENCE_ENV = "SUPEROFFLOAD_FORCE_REFERENCE"
 CACHE_DIR_ENV = "SUPEROFFLOAD_CACHE_DIR"
 
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "grace_adam"
+
+
+def _find_source_dir() -> Path:
+    """The C++ sources: inside the installed package (`superoffload_hf/_csrc/grace_adam`, where the
+    wheel build copies them; see setup.py), else in the source checkout (`csrc/grace_adam`)."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "_csrc" / "grace_adam"
+    return installed if installed.is_dir() else package.parent / "csrc" / "grace_adam"
+
+
+SOURCE_DIR = _find_source_dir()
 _COMMON_SOURCES = ("binding.cpp", "dispatch.cpp", "adam_scalar.cpp")
 _ISA_SOURCES = {"x86_64": ("adam_avx2.cpp", "adam_avx512.cpp"), "aarch64": ("adam_neon.cpp", "adam_sve.cpp")}
 _HEADERS = ("grace_adam.h", "thread_pool.h")
@@ -233,10 +245,17 @@ def load_extension():
     global _extension, _extension_error
     with _extension_lock:
         if _extension is None and _extension_error is None:
+            root = cache_root()
             try:
-                _extension = _build_or_load(SOURCE_DIR, cache_root())
+                _extension = _build_or_load(SOURCE_DIR, root)
             except KernelBuildError as error:
                 _extension_error = error
+            except Exception as error:  # any other failure to build or load: the same fallback
+                _extension_error = KernelBuildError(
+                    f"Loading the GraceAdam host Adam kernel from the cache {root} failed: "
+                    f"{type(error).__name__}: {error}. Delete that directory to rebuild, or set "
+                    f"{CACHE_DIR_ENV} to another writable directory.")
+                _extension_error.__cause__ = error
         if _extension_error is not None:
             raise KernelBuildError(str(_extension_error)) from _extension_error
         return _extension
@@ -268,11 +287,14 @@ def build_key(source_dir: Path) -> str:
 def _build_or_load(source_dir: Path, root: Path):
     name = f"grace_adam_{build_key(source_dir)}"
     build_dir = root / name
-    build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{name}.so"
     complete = build_dir / "build-complete"
-    with _exclusive(root / f"{name}.lock"):
-        if complete.is_file() and library.is_file():
+    # A finished build is never written again (its marker is written last), so it loads without
+    # the lock: a read-only cache that already holds it (a container image, a shared cluster) works.
+    if complete.is_file() and library.is_file():
+        return _import_library(name, library)
+    with _exclusive(root, build_dir, root / f"{name}.lock"):
+        if complete.is_file() and library.is_file():  # another process built it while we waited
             return _import_library(name, library)
         module = _build(name, source_dir, build_dir)
         complete.write_text(f"{library.name}\n")  # written last: a killed build leaves no marker
@@ -280,10 +302,18 @@ def _build_or_load(source_dir: Path, root: Path):
 
 
 @contextmanager
-def _exclusive(lock_path: Path):
+def _exclusive(root: Path, build_dir: Path, lock_path: Path):
     # flock is released by the kernel when its holder dies, so a build killed halfway cannot leave
     # a lock that hangs the next process (torch's own `lock` file can; see _build).
-    with open(lock_path, "a") as handle:
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a")
+    except OSError as error:
+        raise KernelBuildError(
+            f"Cannot build the GraceAdam host Adam kernel: the cache directory {root} is not writable "
+            f"({type(error).__name__}: {error}). Set {CACHE_DIR_ENV} to a writable directory, or build the "
+            f"kernel once where this cache is writable (later runs only read it).") from error
+    with handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -299,9 +329,17 @@ def _build(name: str, source_dir: Path, build_dir: Path):
     # We hold the flock, so no other process is building here: a `lock` baton file is a leftover
     # of a killed build, and torch would wait on it forever.
     (build_dir / "lock").unlink(missing_ok=True)
+    # The build is silent and takes ~40 s on 2 cores: say what is happening, once per cache.
+    print(f"[superoffload] building the GraceAdam host Adam kernel (first use; about 40 s on 2 cores) in "
+          f"{build_dir}; it is cached there for later runs ({CACHE_DIR_ENV} moves the cache).",
+          file=sys.stderr, flush=True)
+    started = time.perf_counter()
     try:
-        return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
-                           build_directory=str(build_dir), verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
+                                    build_directory=str(build_dir), verbose=False)
+        print(f"[superoffload] built the host Adam kernel in {time.perf_counter() - started:.0f} s.",
+              file=sys.stderr, flush=True)
+        return module
     except Exception as error:  # torch raises RuntimeError with the compiler output; keep its tail
         detail = "\n".join(str(part) for part in (error, getattr(error, "output", None)) if part)
         tail = "\n".join(detail.splitlines()[-40:])
@@ -312,8 +350,9 @@ def _build(name: str, source_dir: Path, build_dir: Path):
 def _check_toolchain(sources: list, cpp_extension) -> None:
     missing = [str(s) for s in sources if not s.is_file()]
     if missing:
-        raise KernelBuildError(f"The GraceAdam sources {missing} are missing (the package must be used from a "
-                               "source checkout or an editable install: `pip install -e .`).")
+        raise KernelBuildError(f"The GraceAdam sources {missing} are missing: this installation of superoffload_hf "
+                               "was built without them. Reinstall from a source checkout (`pip install .` or "
+                               "`pip install -e .`) or from a wheel built by `pip wheel .`.")
     if not cpp_extension.is_ninja_available():
         raise KernelBuildError("Cannot build the GraceAdam host Adam kernel: ninja is not available. "
                                "Install it with `pip install ninja`.")

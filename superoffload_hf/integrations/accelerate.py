@@ -243,6 +243,41 @@ class SuperOffloadAcceleratedOptimizer(AcceleratedOptimizer):
     def step_was_skipped(self) -> bool:
         return bool(self.optimizer.last_step_skipped)
 
+    # What users hold is this wrapper (`trainer.optimizer`, `prepare`'s result): the SuperOffload
+    # read-outs answer here too, from the optimizer inside.
+    @property
+    def plan(self):
+        return self.optimizer.plan
+
+    @property
+    def counters(self):
+        return self.optimizer.counters
+
+    @property
+    def host_adam(self):
+        return self.optimizer.host_adam
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.optimizer.last_step_skipped
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        return self.optimizer.last_grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    def describe(self) -> str:
+        return self.optimizer.describe()
+
+    def summary(self) -> str:
+        return self.optimizer.summary()
+
+    def synchronize(self) -> None:
+        self.optimizer.synchronize()
+
 
 class SuperOffloadLossScaler:
     """Takes the place of `accelerator.scaler` when the device computes in fp16.

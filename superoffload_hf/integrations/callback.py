@@ -25,8 +25,9 @@ LOG_PREFIX = "superoffload/"
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
-    """The SuperOffload optimizer inside Accelerate's (or anyone's) `.optimizer` wrappers."""
-    while optimizer is not None and not hasattr(optimizer, "counters"):
+    """The SuperOffload optimizer inside Accelerate's (or anyone's) `.optimizer` wrappers (ours
+    forwards the read-outs, so look for a method only the optimizer itself has)."""
+    while optimizer is not None and not hasattr(optimizer, "set_gradient_sync_source"):
         optimizer = getattr(optimizer, "optimizer", None)
     return optimizer
 

@@ -60,12 +60,25 @@ class TrainingArguments(HFTrainingArguments):
         metadata={"help": "SuperOffloadConfig fields: a path to a YAML/JSON file, a JSON string, or "
                           "a dict. Setting it turns `superoffload` on."},
     )
+    resume_weights_only: bool = field(
+        default=False,
+        metadata={"help": "With `resume_from_checkpoint`: load only the model weights of the checkpoint and "
+                          "train from step 0 with a fresh optimizer and LR schedule. Without it, resuming "
+                          "from a checkpoint that lacks optimizer.pt or scheduler.pt is an error."},
+    )
 
     def __post_init__(self):
         if _optim_name(self.optim) == OPTIM_SYNONYM:
             self.superoffload, self.optim = True, "adamw_torch"
         if isinstance(self.superoffload_config, str) and self.superoffload_config.lstrip().startswith("{"):
-            self.superoffload_config = json.loads(self.superoffload_config)
+            try:
+                self.superoffload_config = json.loads(self.superoffload_config)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"`superoffload_config` is {self.superoffload_config!r}, which starts like JSON but is not "
+                    f"valid JSON ({error}). Give a JSON object such as '{{\"speculation\": \"off\"}}' "
+                    "(quote it for the shell) or the path of a YAML/JSON file."
+                ) from None
         if self.superoffload_config is not None:
             self.superoffload = True
         if self.superoffload:
@@ -106,6 +119,11 @@ class Trainer(HFTrainer):
         ours = getattr(self.args, "superoffload", False)
         plugin = self.args.superoffload_plugin() if ours else launch_plugin()
         self.superoffload = SuperOffloadHooks(self, plugin) if plugin is not None else None
+
+    def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
+        if self.superoffload is None:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        return self.superoffload.train(super().train, resume_from_checkpoint, *args, **kwargs)
 
     def create_optimizer(self, model=None):
         if self.superoffload is None:

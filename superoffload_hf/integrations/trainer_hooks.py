@@ -23,6 +23,7 @@ from superoffload_hf.integrations.accelerate import (
     wrap_optimizer,
 )
 from superoffload_hf.integrations.callback import SuperOffloadCallback, unwrap_optimizer
+from superoffload_hf.integrations.resume import load_weights_only, resolve_resume
 from superoffload_hf.optimizer import SuperOffloadAdamW
 
 logger = logging.getLogger("superoffload_hf.integrations.trainer")
@@ -58,6 +59,25 @@ class SuperOffloadHooks:
         trainer.create_optimizer = self.create_optimizer
         trainer._clip_grad_norm = self.clip_grad_norm
         trainer._get_grad_norm = self.get_grad_norm
+        original_train = trainer.train
+        trainer.train = lambda resume_from_checkpoint=None, *args, **kwargs: self.train(
+            original_train, resume_from_checkpoint, *args, **kwargs)
+
+    def train(self, original_train, resume_from_checkpoint=None, *args, **kwargs):
+        """`Trainer.train`, resuming only from a complete checkpoint with its optimizer state (or,
+        when `resume_weights_only` is set, from its weights only, at step 0); see resume.py."""
+        trainer = self.trainer
+        plan = resolve_resume(resume_from_checkpoint, trainer.args.output_dir,
+                              weights_only=bool(getattr(trainer.args, "resume_weights_only", False)))
+        for path, why in plan.skipped:
+            logger.warning("superoffload: skipped incomplete checkpoint %s: %s", path, why)
+        if plan.checkpoint is None:
+            return original_train(None, *args, **kwargs)
+        logger.warning("superoffload: %s", plan.describe()[-1])
+        if plan.weights_only:
+            load_weights_only(trainer, plan.checkpoint)
+            return original_train(None, *args, **kwargs)
+        return original_train(str(plan.checkpoint), *args, **kwargs)
 
     def create_optimizer(self, model=None):
         trainer = self.trainer

@@ -21,6 +21,7 @@ names the key, the value, what was expected and how to fix it.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import enum
@@ -44,6 +45,8 @@ DEVICE_DTYPE_TO_TORCH = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32
 DATA_FILE_SUFFIXES = (".txt", ".md", ".json", ".jsonl")
 # Set by the CLI from the `superoffload:` section; a recipe must not set them in `training:`.
 TRAINING_KEYS_OWNED_BY_RECIPE = ("superoffload", "superoffload_config")
+# Top-level keys of an accelerate config file (`accelerate config` writes them), never of a recipe.
+ACCELERATE_CONFIG_KEYS = ("compute_environment", "distributed_type", "mixed_precision", "num_processes")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -267,6 +270,28 @@ def validate_model_config(values: Mapping[str, Any]) -> None:
         default_value = getattr(default, key, None)
         if type(default_value) in (bool, int, float):
             check_type(f"model.config.{key}", value, float if type(default_value) is float else type(default_value))
+    _check_attention_shape(values, default)
+
+
+def _check_attention_shape(values: Mapping[str, Any], default: Any) -> None:
+    """Head counts that divide what they split (the model would fail in its first forward)."""
+    def get(key):
+        return values.get(key, getattr(default, key, None))
+
+    hidden, heads, kv_heads = get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads")
+    if not all(isinstance(v, int) for v in (hidden, heads)):
+        return
+    if heads < 1 or hidden < 1:
+        raise RecipeError(f"`model.config.hidden_size` is {hidden} and `num_attention_heads` {heads}; expected both >= 1.")
+    if values.get("head_dim") is None and hidden % heads:
+        raise RecipeError(
+            f"`model.config.hidden_size` is {hidden}, not divisible by `num_attention_heads` ({heads}); "
+            f"expected a multiple of {heads}, e.g. {hidden // heads * heads or heads} (or set `head_dim`)."
+        )
+    if isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise RecipeError(
+            f"`model.config.num_key_value_heads` is {kv_heads}; expected a divisor of `num_attention_heads` ({heads})."
+        )
 
 
 @dataclass(frozen=True)
@@ -347,6 +372,26 @@ def _check_data_file(path: Any) -> None:
             f"`data.files` holds {path!r}, which does not exist (relative to {os.getcwd()}). "
             "Fix the path, or run from the directory it is relative to."
         )
+    _check_utf8(path)
+
+
+def _check_utf8(path: str, chunk_bytes: int = 1 << 20) -> None:
+    """The whole file decodes as UTF-8 (read in chunks: GB/s, and the data is read anyway)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(Path(path).expanduser(), "rb") as handle:
+        while True:
+            chunk = handle.read(chunk_bytes)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                raise RecipeError(
+                    f"`data.files` holds {path!r}, which is not UTF-8 text (byte {offset + exc.start:,}: "
+                    f"{exc.reason}); convert it (e.g. `iconv -t utf-8`) or drop it."
+                ) from None
+            if not chunk:
+                return
+            offset += len(chunk)
 
 
 def check_model_location(name_or_path: str, key: str = "model.name_or_path") -> None:
@@ -396,6 +441,8 @@ class Recipe:
     training: dict = field(default_factory=dict)
     superoffload: Optional[dict] = None
     source: str = "<dict>"
+    warnings: tuple = ()
+    """Settings that will run, but probably not as meant (printed by the CLI)."""
 
     @property
     def model_dtype(self) -> str:
@@ -408,6 +455,16 @@ class Recipe:
             return DEVICE_DTYPE_TO_TORCH[self.superoffload["device_dtype"]]
         # As the integration resolves it: bf16 -> bf16 weights, fp16 -> fp16, neither -> fp32.
         return "bfloat16" if self.training.get("bf16") else "float16" if self.training.get("fp16") else "float32"
+
+    def resume_plan(self) -> Any:
+        """What `training.resume_from_checkpoint` loads (superoffload_hf.integrations.resume)."""
+        from superoffload_hf.integrations.resume import ResumeError, resolve_resume
+
+        try:
+            return resolve_resume(self.training.get("resume_from_checkpoint"), self.training["output_dir"],
+                                  weights_only=bool(self.training.get("resume_weights_only")))
+        except ResumeError as exc:
+            raise RecipeError(f"`training.resume_from_checkpoint`: {exc}") from exc
 
     @property
     def tokenizer_name_or_path(self) -> Optional[str]:
@@ -452,6 +509,13 @@ def read_recipe_yaml(path: Path, derived_from: tuple[Path, ...] = ()) -> dict[st
         raise RecipeError(f"Recipe file {str(path)!r} is not valid YAML: {exc}") from exc
     if not isinstance(raw, Mapping):
         raise RecipeError(f"Recipe file {str(path)!r} must hold a mapping with sections {list(SECTIONS)}.")
+    accelerate_keys = [key for key in ACCELERATE_CONFIG_KEYS if key in raw]
+    if accelerate_keys:
+        raise RecipeError(
+            f"{str(path)!r} is an accelerate config (it has `{accelerate_keys[0]}`), not a recipe. Start a "
+            f"training script with it: `superoffload launch --config_file {path} train.py ...`; "
+            "`superoffload train` takes a recipe such as recipes/tiny_llama_cpu.yaml."
+        )
     base = raw.pop("base", None)
     if base is None:
         return raw
@@ -486,9 +550,19 @@ def recipe_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Recipe:
         training=validate_training(raw["training"]),
         superoffload=validate_superoffload(raw.get("superoffload", {})),
         source=source,
+        warnings=_superoffload_warnings(raw.get("superoffload")),
     )
     _check_cross_section(recipe)
     return recipe
+
+
+def _superoffload_warnings(values: Any) -> tuple:
+    threads = values.get("host_threads") if isinstance(values, Mapping) else None
+    cores = len(os.sched_getaffinity(0))
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads > cores:
+        return (f"`superoffload.host_threads` is {threads} but this process may run on {cores} cores; threads "
+                "beyond that only compete for them (use `auto`).",)
+    return ()
 
 
 def _check_cross_section(recipe: Recipe) -> None:
@@ -497,22 +571,13 @@ def _check_cross_section(recipe: Recipe) -> None:
             "`model.config` builds a model without a tokenizer; set `tokenizer: {shipped: true}` "
             "or `tokenizer: {name_or_path: <hub id or path>}`."
         )
-    if recipe.training.get("resume_from_checkpoint") is True and not _has_checkpoint(recipe.training["output_dir"]):
-        raise RecipeError(
-            f"`training.resume_from_checkpoint` is true but `training.output_dir` "
-            f"({recipe.training['output_dir']!r}) holds no checkpoint-N directory; run without it "
-            "first, or give the checkpoint directory to resume from."
-        )
+    recipe.resume_plan()  # an incomplete checkpoint or missing optimizer state fails here, not after loading
     max_positions = (recipe.model.config or {}).get("max_position_embeddings")
     if isinstance(max_positions, int) and recipe.data.seq_len > max_positions:
         raise RecipeError(
             f"`data.seq_len` is {recipe.data.seq_len} but `model.config.max_position_embeddings` "
             f"is {max_positions}; lower seq_len or raise max_position_embeddings."
         )
-
-
-def _has_checkpoint(output_dir: str) -> bool:
-    return any(p.is_dir() for p in Path(output_dir).expanduser().glob("checkpoint-*"))
 
 
 def validate_superoffload(values: Any) -> Optional[dict]:
@@ -535,8 +600,8 @@ def validate_superoffload(values: Any) -> Optional[dict]:
 
 def validate_training(values: Any) -> dict:
     """Check `training:` against transformers.TrainingArguments: known keys, right types,
-    output_dir present. Returns the keywords, floats coerced."""
-    from transformers import TrainingArguments
+    output_dir present, values in range. Returns the keywords, floats coerced."""
+    from superoffload_hf.integrations.trainer import TrainingArguments  # transformers' + resume_weights_only
 
     if not isinstance(values, Mapping):
         raise RecipeError(f"`training` is {values!r}; expected a mapping of TrainingArguments fields.")
@@ -550,7 +615,40 @@ def validate_training(values: Any) -> dict:
     check_keys("training", values, list(fields_by_name))
     if not values.get("output_dir"):
         raise RecipeError("Missing key `training.output_dir`: where checkpoints are saved, e.g. `output_dir: out/tiny`.")
-    return {key: _check_training_value(key, value, fields_by_name[key].type) for key, value in values.items()}
+    checked = {key: _check_training_value(key, value, fields_by_name[key].type) for key, value in values.items()}
+    for key, value in checked.items():
+        _check_training_range(key, value)
+    return checked
+
+
+# key -> (test, what is expected): values TrainingArguments accepts but training fails on later.
+TRAINING_RANGES = {
+    "learning_rate": (lambda v: v >= 0, "a number >= 0"),
+    "weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "adam_beta1": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "adam_epsilon": (lambda v: v >= 0, "a number >= 0"),
+    "max_grad_norm": (lambda v: v >= 0, "a number >= 0 (0: no clipping)"),
+    "per_device_train_batch_size": (lambda v: v >= 1, "an integer >= 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "an integer >= 1"),
+    "max_steps": (lambda v: v == -1 or v >= 1, "an integer >= 1 (or -1: use num_train_epochs)"),
+    "num_train_epochs": (lambda v: v > 0, "a number > 0"),
+    "warmup_steps": (lambda v: v >= 0, "a number >= 0"),
+    "logging_steps": (lambda v: v > 0, "a number > 0"),
+    "save_steps": (lambda v: v > 0, "a number > 0"),
+}
+
+
+def _check_training_range(key: str, value: Any) -> None:
+    if key not in TRAINING_RANGES or value is None or isinstance(value, bool):
+        return
+    test, expected = TRAINING_RANGES[key]
+    try:
+        ok = test(float(value))
+    except (TypeError, ValueError):
+        return  # not a number: the type check has spoken
+    if not ok:
+        raise RecipeError(f"`training.{key}` is {value!r}; expected {expected}.")
 
 
 def _check_training_value(key: str, value: Any, annotation: Any) -> Any:

@@ -1,0 +1,71 @@
+"""Installed like a normal package (`pip install .`, a wheel, `pip install git+...`), superoffload_hf
+carries the GraceAdam C++ sources and builds the kernel from them, not the reference fallback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# What `pip install git+...` sees of the checkout (tests, benchmarks and recipes are not needed).
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "superoffload_hf", "csrc")
+
+CHECK_INSTALLED = """
+import sys, torch
+import superoffload_hf
+from superoffload_hf import SuperOffloadAdamW
+from superoffload_hf.host import kernel
+site = sys.argv[1]
+assert superoffload_hf.__file__.startswith(site), superoffload_hf.__file__
+assert str(kernel.SOURCE_DIR).startswith(site), kernel.SOURCE_DIR
+model = torch.nn.Linear(8, 4)
+opt = SuperOffloadAdamW(model.parameters(), lr=1e-2, config={"host_kernel": "cpp", "device_dtype": "fp32"})
+model(torch.ones(2, 8)).sum().backward()
+opt.step()
+print(opt.host_adam.name, opt.describe())
+"""
+
+
+def test_setup_copies_the_csrc_sources_into_the_package():
+    setup = (REPO / "setup.py").read_text()
+    assert '"_csrc" / "grace_adam"' in setup and "editable_mode" in setup
+    assert "recursive-include csrc *.cpp *.h" in (REPO / "MANIFEST.in").read_text()
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["build-backend"] == "setuptools.build_meta"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_wheel_install_builds_the_kernel_from_its_own_sources(tmp_path):
+    source = tmp_path / "checkout"
+    source.mkdir()
+    for name in BUILD_INPUTS:
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
+        copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__", "_csrc")}
+                                            if (REPO / name).is_dir() else {}))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist")], check=True, cwd=tmp_path, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("superoffload_hf-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for shipped in ("binding.cpp", "dispatch.cpp", "adam_scalar.cpp", "adam_avx2.cpp", "adam_neon.cpp",
+                    "grace_adam.h", "thread_pool.h"):
+        assert f"superoffload_hf/_csrc/grace_adam/{shipped}" in names, shipped
+
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, timeout=300)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "SUPEROFFLOAD_FORCE_REFERENCE")}
+    env.update(PYTHONPATH=str(site), SUPEROFFLOAD_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", CHECK_INSTALLED, str(site)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.startswith("cpp "), proc.stdout
+    assert "building the GraceAdam host Adam kernel" in proc.stderr  # built here, from the wheel's sources
+    assert str(tmp_path / "cache") in proc.stderr
