@@ -31,14 +31,16 @@ class SuperOffloadConfig:
     bucket_size_mb: Union[float, str] = AUTO
     """Size of one bucket, in MB of fp32 master weights (1 MB = 2**20 bytes, so 262144
     parameters). A bucket is the unit that moves to the host and is stepped there as soon as
-    backward has produced all of its gradients. "auto": 32 MB, shrunk so that a model has at
-    least 4 buckets when it is small."""
+    backward has produced all of its gradients. "auto": a fixed heuristic, 32 MB, shrunk so
+    that a model has at least 4 buckets when it is small (not measured; `superoffload probe`
+    shows what the measured cost model would choose on this machine)."""
 
     device_buckets: Union[int, str] = AUTO
     """How many of the last buckets to receive gradients (the first layers) keep their fp32
     master and Adam state on the device and are stepped there, so the device does not idle at
-    the end of backward. "auto": chosen from the measured host step time and link bandwidth
-    (0 when the device is the CPU)."""
+    the end of backward. "auto": a heuristic after the first step, from host timestamps of the
+    host step time against backward, within a quarter of the free device memory counted with
+    the buckets' real sizes (0 when the device is the CPU); see superoffload_hf/engine/layout.py."""
 
     speculation: str = AUTO
     """"on": step each bucket on the host as soon as its gradients arrive, validate at
@@ -55,8 +57,8 @@ class SuperOffloadConfig:
     cast: str = AUTO
     """Where precision casts happen. "device": move fp32 over the link and cast on the device
     (best on fast links such as NVLink-C2C). "host": cast on the host (the kernel writes the
-    low-precision copy in the same pass) and move half the bytes (best on PCIe). "auto":
-    measured from the link bandwidth."""
+    low-precision copy in the same pass) and move half the bytes (best on PCIe). "auto": from
+    a host-to-device bandwidth measured at construction ("device" at >= 100 GB/s)."""
 
     device_dtype: str = "bf16"
     """Precision of the parameters the device computes with: "bf16", "fp16" (with dynamic loss
@@ -65,7 +67,8 @@ class SuperOffloadConfig:
 
     host_threads: Union[int, str] = AUTO
     """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on
-    (sched_getaffinity), whatever OMP_NUM_THREADS says (accelerate launch sets it to 1)."""
+    (sched_getaffinity) but one, left for the training thread, whatever OMP_NUM_THREADS says
+    (accelerate launch sets it to 1); at least one. The summary says what was chosen."""
 
     pin_memory: Union[bool, str] = AUTO
     """Page-lock the host buffers so copies are asynchronous. "auto": when the device is CUDA."""

@@ -56,10 +56,37 @@ def test_config_from_a_yaml_path_is_used(tmp_path):
     try:
         assert (opt.config.device_dtype, opt.config.bucket_size_mb, opt.config.speculation) == ("fp32", 0.02, "off")
         assert opt.plan.num_device_buckets == 0
-        model_loss_step(opt)
-        assert opt.counters.steps == 1 and opt.counters.speculative_steps == 0
+        model_loss_step(opt)  # no backward: nothing to step
+        assert opt.counters.steps == 0 and opt.counters.speculative_steps == 0
     finally:
         opt.close()
+
+
+def test_a_step_without_any_gradient_counts_nothing_and_keeps_the_fp16_loss_scale():
+    model = small_model()
+    opt = SuperOffloadAdamW(model.parameters(), config=engine_config(device_dtype="fp16",
+                                                                     loss_scale_growth_interval=1))
+    try:
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        for _ in range(3):
+            opt.step()
+        assert opt.counters.steps == 0 and opt.counters.skips == 0
+        assert opt.loss_scale == 2.0**16 and not opt.last_step_skipped
+        assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+        opt.scale_loss(model(**micro_batches(0)[0]).loss).backward()
+        opt.step()
+        assert opt.counters.steps == 1 and opt.loss_scale == 2.0**17  # a real step still grows it
+    finally:
+        opt.close()
+
+
+def test_a_multi_process_group_is_refused_with_what_is_wrong(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(RuntimeError, match="world size 2.*does not do data parallelism yet.*DistributedDataParallel"):
+        SuperOffloadAdamW(small_model().parameters(), config=engine_config())
 
 
 def model_loss_step(opt, model=None):

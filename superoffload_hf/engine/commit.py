@@ -41,7 +41,9 @@ class Committer:
 
     def apply(self, decision: Decision) -> None:
         skip = decision.kind == "skip"
-        for rt in self.buckets.host():
+        # Queued in the order the next forward reads the buckets (the reverse of gradient order:
+        # the embedding first), so forward starts as soon as its first layers are back.
+        for rt in reversed(list(self.buckets.host())):
             if rt.staged:
                 self._apply_host(rt, None if skip else self.step.call(rt, decision.clip_coef))
         if not skip:
@@ -81,7 +83,7 @@ class Committer:
         c.skips += skipped
         self.account_flags()
         c.replays += s.replayed
-        self.engine.policy.record(decision)
+        self.engine.policy.record(decision, s.speculating is True, s.rolled_back)
         self.engine.loss_scale.update(skipped)
 
     def account_flags(self) -> None:

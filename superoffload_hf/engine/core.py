@@ -38,15 +38,38 @@ from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
 from superoffload_hf.engine.worker import HostWorker
-from superoffload_hf.host.kernel import get_host_adam
+from superoffload_hf.host.kernel import default_threads, get_host_adam
 from superoffload_hf.metrics import OffloadCounters
 
 logger = logging.getLogger("superoffload_hf")
+
+EMPTY_STEP = Decision("empty", 0.0, 1.0)
+
+
+def check_single_process() -> None:
+    """Until data parallelism lands, a process group of more than one rank is refused here, with
+    what is wrong, rather than later by DDP touching gradients the engine holds."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"torch.distributed is initialised with world size {dist.get_world_size()}: SuperOffload "
+            "does not do data parallelism yet, and a model wrapped in DistributedDataParallel would "
+            "read gradients the optimizer has already moved to the host (DDP's all-reduce and "
+            "clip_grad_norm_ then fail). Train in one process (no torchrun / --num_processes 1)."
+        )
+
+
+def auto_host_threads(cores: int) -> int:
+    """Every core this process may run on but one, which the training thread (the autograd engine
+    feeding the device) needs; at least one."""
+    return max(1, cores - 1)
 
 
 class Engine:
     def __init__(self, param_groups: list[dict], adamw: bool, config: SuperOffloadConfig,
                  counters: OffloadCounters):
+        check_single_process()
         self.config, self.adamw, self.counters = config, adamw, counters
         self.groups = param_groups  # the optimizer's live list: hyperparameters are read at use
         self.params = [p for g in param_groups for p in g["params"]]
@@ -54,8 +77,13 @@ class Engine:
         self.runtime = make_runtime(self.layout.device)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
         self.cast = self.layout.resolve_cast(self.transfer)
-        self.adam = get_host_adam(config.host_kernel, threads=None if config.host_threads == "auto"
-                                  else config.host_threads)
+        self.host_threads_note = "set"
+        threads = config.host_threads
+        if threads == "auto":
+            cores = default_threads()
+            threads = auto_host_threads(cores)
+            self.host_threads_note = f"auto: {threads} of {cores} cores, one left for the training thread"
+        self.adam = get_host_adam(config.host_kernel, threads=threads)
         self.jobs = HostJobs(self.adam, self.transfer, adamw, config.rollback == "snapshot", counters)
         self.policy = SpeculationPolicy(config.speculation, config.speculation_window,
                                         config.speculation_max_rollback_rate)
@@ -104,7 +132,7 @@ class Engine:
                 f"device-resident) of <= {self.plan.bucket_numel} elements, device {self.runtime.name} "
                 f"{self.config.device_dtype}, cast {self.cast}, speculation {self.config.speculation}, "
                 f"rollback {self.config.rollback}, host Adam {self.adam.name}/{self.adam.isa} "
-                f"x{self.adam.threads} threads")
+                f"x{self.adam.threads} threads ({self.host_threads_note})")
 
     # ---- the hooks' entry points ----------------------------------------------------------
 
@@ -118,6 +146,9 @@ class Engine:
 
     def step(self, max_grad_norm: Optional[float]) -> Decision:
         self.worker.raise_if_failed()
+        if not self.has_pending_gradients() and not any(p.requires_grad and p.grad is not None
+                                                        for p in self.unhooked):
+            return EMPTY_STEP  # torch semantics: no gradient, no update; no step counted, no loss-scale growth
         self.transfer.fence()  # this step's copy-backs wait for kernels queued before step()
         self.collector.adopt_unhooked_grads()
         self.collector.finish()

@@ -6,13 +6,15 @@ Rules (the "auto" choices of SuperOffloadConfig):
 * cast "auto": "device" when the device is the CPU; on CUDA, "device" (move fp32, cast on the
   device) when a page-locked host-to-device copy runs at >= FAST_LINK_GBPS (NVLink-C2C class),
   else "host" (the kernel writes the low-precision copy; half the bytes cross the link).
-* device_buckets "auto": 0 when the device is the CPU. On CUDA it is chosen after the first
-  step: if the host needed `t_host` seconds of kernel time for all buckets and backward
-  delivered gradients over `t_backward` seconds, a fraction (t_host - t_backward) / t_host of
-  the buckets would still wait for the host when backward ends; that many of the last buckets,
-  plus one (the last bucket's own step), become device-resident, at most half of the buckets
-  (offloading stays the point) and within a quarter of the free device memory (16 bytes per
-  element: fp32 master, moments and gradient).
+* device_buckets "auto": 0 when the device is the CPU. On an accelerator it is chosen after the
+  first step by a heuristic from host timestamps (not device events): if the host needed
+  `t_host` seconds of kernel time for all buckets and backward delivered gradients over
+  `t_backward` seconds, a fraction (t_host - t_backward) / t_host of the buckets would still
+  wait for the host when backward ends; that many of the last buckets, plus one (the last
+  bucket's own step), become device-resident, at most half of the buckets (offloading stays the
+  point), and only as many of the last buckets as fit, with their real sizes, in a quarter of
+  the free device memory (16 bytes per element: fp32 master, moments and gradient, plus the
+  chunked float64 norm transient).
 * The first step never speculates: it records the order in which gradients arrive and how often
   each parameter's hook fires. The plan is rebuilt in that order; parameters that fire more or
   less often than most ("deferred": tied or reused parameters, unused ones) get non-speculative
@@ -96,16 +98,16 @@ class LayoutBuilder:
         return self.plan(n, log.order, deferred)
 
     def auto_device_buckets(self, draft: BucketPlan, log: FireLog, host_seconds: float, transfer) -> int:
-        if not transfer.is_async or not draft.buckets:
-            return 0
+        if not transfer.is_async or self.device.type == "cpu" or not draft.buckets:
+            return 0  # the CPU or the simulated device: device memory is host memory
         backlog = max(0.0, host_seconds - log.seconds) / host_seconds if host_seconds > 0 else 0.0
         wanted = min(len(draft.buckets) // 2, math.ceil(len(draft.buckets) * backlog) + 1)
         free_bytes, _ = transfer.runtime.memory_info()
-        affordable = int(free_bytes * DEVICE_MEMORY_FRACTION) // (DEVICE_BYTES_PER_ELEMENT * self.bucket_numel)
+        affordable = device_buckets_within(draft, int(free_bytes * DEVICE_MEMORY_FRACTION))
         chosen = max(0, min(wanted, affordable))
-        logger.info("SuperOffload device_buckets auto: host %.3fs vs backward %.3fs over %d buckets -> %d "
-                    "device-resident (memory allows %d)", host_seconds, log.seconds, len(draft.buckets),
-                    chosen, affordable)
+        logger.info("SuperOffload device_buckets auto (a heuristic from host timestamps of the first "
+                    "step): host %.3fs vs backward %.3fs over %d buckets -> %d device-resident "
+                    "(memory allows %d)", host_seconds, log.seconds, len(draft.buckets), chosen, affordable)
         return chosen
 
     # ---- dtypes and buffers ---------------------------------------------------------------
@@ -137,6 +139,26 @@ class LayoutBuilder:
         for p in self.params:
             if p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
+
+
+def device_bucket_bytes(numel: int) -> int:
+    """Device bytes a device-resident bucket of `numel` elements holds at rest (fp32 master,
+    moments and gradient) plus its step's transients (the chunked float64 norm)."""
+    from superoffload_hf.engine.stepper import NORM_CHUNK
+
+    return DEVICE_BYTES_PER_ELEMENT * numel + 8 * min(numel, NORM_CHUNK)
+
+
+def device_buckets_within(plan: BucketPlan, budget_bytes: int) -> int:
+    """How many of the plan's last buckets (the device-resident candidates, with their real
+    sizes: the embedding is often alone in the last one) fit in `budget_bytes`."""
+    used, count = 0, 0
+    for bucket in reversed(plan.buckets):
+        used += device_bucket_bytes(bucket.numel)
+        if used > budget_bytes:
+            break
+        count += 1
+    return count
 
 
 def common_device(params: list[torch.Tensor]) -> torch.device:

@@ -82,7 +82,15 @@ def run_slots(call: StepCall) -> list[int]:
     return [k for run in call.runs for k in run.slots]
 
 
+NORM_CHUNK = 1 << 22  # elements: bounds the float64 transient of a device norm to 32 MB
+
+
 def sum_squares_on_device(flat: torch.Tensor) -> torch.Tensor:
-    """float64 sum of squares as a 0-d tensor on flat's device (no host synchronization)."""
-    g = flat.to(torch.float64)
-    return torch.dot(g, g)
+    """float64 sum of squares as a 0-d tensor on flat's device (no host synchronization), in
+    chunks: an fp64 copy of a whole bucket (the embedding: 525M elements for Llama-3.1-8B) would
+    be a 4.2 GB transient."""
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for chunk in flat.split(NORM_CHUNK):
+        g = chunk.to(torch.float64)
+        total += torch.dot(g, g)
+    return total

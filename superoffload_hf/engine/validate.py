@@ -22,14 +22,14 @@ CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
 @dataclass(frozen=True)
 class Decision:
-    kind: str  # "commit", "clip" or "skip"
+    kind: str  # "commit", "clip", "skip", or "empty" (no gradient at all: nothing to do)
     grad_norm: float  # global L2 norm of the unscaled gradients, before clipping
     clip_coef: float  # 1.0 unless kind == "clip"
 
     @property
     def rolls_back(self) -> bool:
         """Whether speculative work taken with clip_coef 1 must be undone."""
-        return self.kind != "commit"
+        return self.kind in ("clip", "skip")
 
 
 def decide(sum_squares: float, loss_scale: float, max_grad_norm: Optional[float]) -> Decision:
@@ -79,9 +79,11 @@ class SpeculationPolicy:
     def rollback_rate(self) -> float:
         return sum(self.recent) / len(self.recent) if self.recent else 0.0
 
-    def record(self, decision: Decision) -> None:
-        """Called after every validated step, speculative or not."""
-        self.recent.append(decision.rolls_back)
+    def record(self, decision: Decision, speculated: bool, rolled_back: bool) -> None:
+        """Called after every validated step. A speculative step is charged only when a bucket
+        was actually rolled back (a clip decided by the first bucket stops speculation at once
+        and costs nothing); a step that did not speculate records whether it would have had to."""
+        self.recent.append(rolled_back if speculated else decision.rolls_back)
 
     def state_dict(self) -> dict:
         return {"mode": self.mode, "recent": [bool(r) for r in self.recent]}
