@@ -2,7 +2,7 @@
 
 ``get_host_adam(mode, threads, isa)`` returns an object with one signature whichever back end
 serves it (``name``, ``isa``, ``threads``, ``adam_step_``, ``adam_rollback_``, ``sum_squares``,
-``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.host.reference`.
+``grad_copy_``, ``grad_accumulate_``, ``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.host.reference`.
 
 The kernel (csrc/grace_adam/) is built once with ``torch.utils.cpp_extension.load`` + ninja into
 a cache directory keyed by the sources, flags, torch, Python and platform
@@ -100,6 +100,12 @@ class ReferenceHostAdam:
     def sum_squares(self, grad: torch.Tensor) -> float:
         return reference.sum_squares(grad)
 
+    def grad_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        reference.grad_copy_(dst, src)
+
+    def grad_accumulate_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        reference.grad_accumulate_(dst, src)
+
     def set_num_threads(self, n: int) -> None:
         self.threads = _check_threads(n)
 
@@ -133,6 +139,14 @@ class CppHostAdam:
 
     def sum_squares(self, grad: torch.Tensor) -> float:
         return float(self._ext.sum_squares(grad, self._isa_code))
+
+    def grad_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst = float(src) on the kernel's threads (src fp32/bf16/fp16, dst fp32, same numel)."""
+        self._ext.grad_copy_(dst, src, self._isa_code)
+
+    def grad_accumulate_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst += float(src), one fp32 add per element, on the kernel's threads."""
+        self._ext.grad_accumulate_(dst, src, self._isa_code)
 
     def set_num_threads(self, n: int) -> None:
         self._ext.set_num_threads(_check_threads(n))
