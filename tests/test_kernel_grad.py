@@ -123,8 +123,11 @@ def test_every_isa_path_and_thread_count_agree_bitwise(cpp_adam, supported_isas,
             getattr(cpp_adam(isa, threads=threads), op)(got, src)
             results[(isa, threads)] = got
     first_key, first = next(iter(results.items()))
-    for key, got in results.items():  # NaN payloads included: one architecture, one NaN rule
-        assert_same_bits(got, first, f"{op} src={src_dtype}: {key} vs {first_key}")
+    # NaN payloads included, except where an add had two NaN operands (grace_adam.h: which one's
+    # payload survives depends on the instruction form and on the compiler's operand order).
+    two_nans = dst.isnan() & src.float().isnan() if op == "grad_accumulate_" else None
+    for key, got in results.items():
+        assert_same_bits(got, first, f"{op} src={src_dtype}: {key} vs {first_key}", two_nans)
 
 
 def test_accumulating_micro_batches_equals_torch_step_by_step(cpp_adam, isa):

@@ -7,6 +7,7 @@
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 // GCC 12 warns about the `__Y = __Y` idiom inside its own AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace grace_adam {
 namespace {

@@ -166,7 +166,8 @@ inline void rollback_one(float& p, float& m, float& v, float g_raw, const Coeffs
 
 // Gradient conversion: x is float(src[i]) (load_grad). Accumulation is one fp32 addition, dst + x
 // (torch's `dst.add_(src.float())` computes the same: its add is fma(x, 1, dst), exact for x*1).
-// When both operands are NaN the result is a NaN whose payload is the hardware's choice.
+// When both operands are NaN the result is a NaN whose payload depends on the instruction form
+// and the operand order the compiler picks (so ISA paths agree bitwise except there).
 inline void grad_copy_one(float& dst, float x) { dst = x; }
 inline void grad_accumulate_one(float& dst, float x) { dst = dst + x; }
 
