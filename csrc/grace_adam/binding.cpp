@@ -14,7 +14,7 @@
 namespace grace_adam {
 namespace {
 
-// Step slices start at multiples of this many elements (64 KiB of fp32 state per buffer), so a
+// Step chunks start at multiples of this many elements (64 KiB of fp32 state per buffer), so a
 // small bucket runs on the calling thread alone.
 constexpr int64_t kStepGrain = 1 << 14;
 
@@ -218,7 +218,7 @@ double sum_squares_(const at::Tensor& grad, int64_t isa) {
   return total;
 }
 
-// Gradient conversion slices start at multiples of this many elements (64 KiB of fp32 output).
+// Gradient conversion chunks start at multiples of this many elements (64 KiB of fp32 output).
 constexpr int64_t kGradGrain = 1 << 14;
 
 using GradKernel = void (*)(Isa, float*, const void*, GradDtype, int64_t);

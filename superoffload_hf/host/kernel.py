@@ -2,7 +2,7 @@
 
 ``get_host_adam(mode, threads, isa)`` returns an object with one signature whichever back end
 serves it (``name``, ``isa``, ``threads``, ``adam_step_``, ``adam_rollback_``, ``sum_squares``,
-``grad_copy_``, ``grad_accumulate_``, ``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.host.reference`.
+``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.host.reference`.
 
 The kernel (csrc/grace_adam/) is built once with ``torch.utils.cpp_extension.load`` + ninja into
 a cache directory keyed by the sources, flags, torch, Python and platform
@@ -77,7 +77,8 @@ def _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correc
 
 
 class ReferenceHostAdam:
-    """The PyTorch reference (superoffload_hf.host.reference) behind the host Adam interface."""
+    """The PyTorch reference (superoffload_hf.host.reference) behind the host Adam interface,
+    including the gradient staging ops ``grad_copy_`` / ``grad_accumulate_`` (torch's own pool)."""
 
     name = "reference"
     isa = "none"
@@ -114,7 +115,8 @@ class ReferenceHostAdam:
 
 
 class CppHostAdam:
-    """The GraceAdam kernel. Its thread pool belongs to the process (shared by every instance)."""
+    """The GraceAdam kernel. Its thread pool belongs to the process (shared by every instance); every
+    method, ``grad_copy_`` / ``grad_accumulate_`` included, runs on it with the GIL released."""
 
     name = "cpp"
 
