@@ -3,7 +3,8 @@
 csrc/grace_adam/run_selftest.sh builds it natively and, when the cross tools exist, for aarch64,
 and runs it: natively (every ISA this CPU has), and under qemu with SVE at 128 bits (Grace),
 512 bits, and SVE off (NEON only). Each run checks step and rollback against a float64 loop,
-every ISA path bitwise against the scalar one, the bf16/fp16 outputs, and the sum of squares;
+every ISA path bitwise against the scalar one, the bf16/fp16 outputs, the sum of squares, and
+the gradient conversions (grad_copy / grad_accumulate of fp32, bf16 and fp16 sources);
 it exits non-zero on any failure. These tests run the script once and read each run's report.
 """
 
@@ -124,7 +125,8 @@ def test_selftest_exits_nonzero_when_a_path_is_wrong(selftest_runs):
     assert run.returncode == 1 and summary is not None and int(summary.group(3)) > 0, run.stdout[-3000:]
     tables = _failed_by_path(run.stdout)
     faulty = tables.pop("faulty(scalar)")
-    for kind in ("step bitwise == scalar", "rollback bitwise == scalar", "guards untouched", "sum_squares bitwise == scalar"):
+    for kind in ("step bitwise == scalar", "rollback bitwise == scalar", "guards untouched", "sum_squares bitwise == scalar",
+                 "grad bitwise == spec"):
         assert faulty.get(kind, 0) > 0, f"the planted fault was not reported as `{kind}`: {faulty}"
     assert "scalar" in tables and all(
         failed == 0 for kinds in tables.values() for failed in kinds.values()

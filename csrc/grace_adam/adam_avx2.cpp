@@ -35,9 +35,9 @@ __m256 load_grad_vec(const void* g, int64_t i) {
   if constexpr (GD == GradDtype::F32) {
     return _mm256_loadu_ps(static_cast<const float*>(g) + i);
   } else {
-    const uint16_t* src = static_cast<const uint16_t*>(g) + i;
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
+    if constexpr (GD == GradDtype::F16) return _mm256_cvtph_ps(h);  // exact; a NaN is quieted, as f16_to_f32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16: the high half
   }
 }
 
@@ -129,6 +129,20 @@ void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int6
   }
 }
 
+template <GradDtype SD, bool ACCUMULATE>
+void grad_loop(float* dst, const void* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    __m256 x = load_grad_vec<SD>(src, i);
+    if constexpr (ACCUMULATE) x = _mm256_add_ps(_mm256_loadu_ps(dst + i), x);  // dst + x, as grad_accumulate_one
+    _mm256_storeu_ps(dst + i, x);
+  }
+  for (; i < n; ++i) {
+    if constexpr (ACCUMULATE) grad_accumulate_one(dst[i], load_grad(src, SD, i));
+    else grad_copy_one(dst[i], load_grad(src, SD, i));
+  }
+}
+
 __m256d square_add(__m128 x, __m256d acc) {
   const __m256d xd = _mm256_cvtps_pd(x);
   return _mm256_fmadd_pd(xd, xd, acc);  // x*x is exact in double: fma == mul + add
@@ -176,10 +190,17 @@ double sum_squares_avx2(const void* g, GradDtype gd, int64_t n) {
   for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {
     const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;
     const void* block = grad_offset(g, gd, begin);
-    sum += gd == GradDtype::F32 ? sum_squares_block<GradDtype::F32>(block, len)
-                                : sum_squares_block<GradDtype::BF16>(block, len);
+    sum += with_grad_dtype(gd, [&](auto gt) { return sum_squares_block<decltype(gt)::value>(block, len); });
   }
   return sum;
+}
+
+void grad_copy_avx2(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, false>(dst, src, n); });
+}
+
+void grad_accumulate_avx2(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, true>(dst, src, n); });
 }
 
 }  // namespace grace_adam

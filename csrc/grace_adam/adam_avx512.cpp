@@ -7,6 +7,7 @@
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 // GCC 12 warns about the `__Y = __Y` idiom inside its own AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace grace_adam {
 namespace {
@@ -41,8 +42,9 @@ __m512 load_grad_vec(const void* g, int64_t i) {
   if constexpr (GD == GradDtype::F32) {
     return _mm512_loadu_ps(static_cast<const float*>(g) + i);
   } else {
-    const uint16_t* src = static_cast<const uint16_t*>(g) + i;
-    return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + i));
+    if constexpr (GD == GradDtype::F16) return _mm512_cvtph_ps(h);  // exact; a NaN is quieted, as f16_to_f32
+    return widen_bf16(h);
   }
 }
 
@@ -129,6 +131,20 @@ void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int6
   }
 }
 
+template <GradDtype SD, bool ACCUMULATE>
+void grad_loop(float* dst, const void* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    __m512 x = load_grad_vec<SD>(src, i);
+    if constexpr (ACCUMULATE) x = _mm512_add_ps(_mm512_loadu_ps(dst + i), x);  // dst + x, as grad_accumulate_one
+    _mm512_storeu_ps(dst + i, x);
+  }
+  for (; i < n; ++i) {
+    if constexpr (ACCUMULATE) grad_accumulate_one(dst[i], load_grad(src, SD, i));
+    else grad_copy_one(dst[i], load_grad(src, SD, i));
+  }
+}
+
 // Two float32 halves of 16 gradient elements, widened to double: lanes 0-7 and 8-15.
 template <GradDtype GD>
 void load_grad_pd(const void* g, int64_t i, __m512d& lo, __m512d& hi) {
@@ -177,10 +193,17 @@ double sum_squares_avx512(const void* g, GradDtype gd, int64_t n) {
   for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {
     const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;
     const void* block = grad_offset(g, gd, begin);
-    sum += gd == GradDtype::F32 ? sum_squares_block<GradDtype::F32>(block, len)
-                                : sum_squares_block<GradDtype::BF16>(block, len);
+    sum += with_grad_dtype(gd, [&](auto gt) { return sum_squares_block<decltype(gt)::value>(block, len); });
   }
   return sum;
+}
+
+void grad_copy_avx512(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, false>(dst, src, n); });
+}
+
+void grad_accumulate_avx512(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, true>(dst, src, n); });
 }
 
 }  // namespace grace_adam

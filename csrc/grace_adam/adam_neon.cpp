@@ -41,6 +41,8 @@ float32x4_t load_grad_vec(const void* g, int64_t i) {
     return vld1q_f32(static_cast<const float*>(g) + i);
   } else {
     const uint16x4_t h = vld1_u16(static_cast<const uint16_t*>(g) + i);
+    // fp16: exact (FPCR.FZ16 is off by default); a NaN is quieted, as f16_to_f32.
+    if constexpr (GD == GradDtype::F16) return vcvt_f32_f16(vreinterpret_f16_u16(h));
     return vreinterpretq_f32_u32(vshll_n_u16(h, 16));  // bf16 bits are the high half of an f32
   }
 }
@@ -126,6 +128,20 @@ void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int6
   }
 }
 
+template <GradDtype SD, bool ACCUMULATE>
+void grad_loop(float* dst, const void* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    float32x4_t x = load_grad_vec<SD>(src, i);
+    if constexpr (ACCUMULATE) x = vaddq_f32(vld1q_f32(dst + i), x);  // dst + x, as grad_accumulate_one
+    vst1q_f32(dst + i, x);
+  }
+  for (; i < n; ++i) {
+    if constexpr (ACCUMULATE) grad_accumulate_one(dst[i], load_grad(src, SD, i));
+    else grad_copy_one(dst[i], load_grad(src, SD, i));
+  }
+}
+
 // x*x + acc in double for two floats; x*x is exact in double, so fma == mul + add.
 inline float64x2_t square_add(float64x2_t acc, float64x2_t x) { return vfmaq_f64(acc, x, x); }
 
@@ -171,10 +187,17 @@ double sum_squares_neon(const void* g, GradDtype gd, int64_t n) {
   for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {
     const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;
     const void* block = grad_offset(g, gd, begin);
-    sum += gd == GradDtype::F32 ? sum_squares_block<GradDtype::F32>(block, len)
-                                : sum_squares_block<GradDtype::BF16>(block, len);
+    sum += with_grad_dtype(gd, [&](auto gt) { return sum_squares_block<decltype(gt)::value>(block, len); });
   }
   return sum;
+}
+
+void grad_copy_neon(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, false>(dst, src, n); });
+}
+
+void grad_accumulate_neon(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, true>(dst, src, n); });
 }
 
 }  // namespace grace_adam

@@ -22,6 +22,14 @@ void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int6
   }
 }
 
+template <GradDtype SD, bool ACCUMULATE>
+void grad_loop(float* dst, const void* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if constexpr (ACCUMULATE) grad_accumulate_one(dst[i], load_grad(src, SD, i));
+    else grad_copy_one(dst[i], load_grad(src, SD, i));
+  }
+}
+
 double sum_squares_one_block(const void* g, GradDtype gd, int64_t n) {
   double acc[kSumSquaresLanes] = {};
   const int64_t n_lanes = n - n % kSumSquaresLanes;
@@ -58,6 +66,14 @@ double sum_squares_scalar(const void* g, GradDtype gd, int64_t n) {
     sum += sum_squares_one_block(grad_offset(g, gd, begin), gd, len);
   }
   return sum;
+}
+
+void grad_copy_scalar(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, false>(dst, src, n); });
+}
+
+void grad_accumulate_scalar(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, true>(dst, src, n); });
 }
 
 }  // namespace grace_adam

@@ -30,6 +30,9 @@ svfloat32_t load_grad_vec(svbool_t pg, const void* g, int64_t i) {
     return svld1_f32(pg, static_cast<const float*>(g) + i);
   } else {
     const svuint32_t h = svld1uh_u32(pg, static_cast<const uint16_t*>(g) + i);  // zero-extended
+    // fp16 in the low half of each 32-bit lane, which is what svcvt_f32_f16 converts: exact
+    // (FPCR.FZ16 is off by default); a NaN is quieted, as f16_to_f32.
+    if constexpr (GD == GradDtype::F16) return svcvt_f32_f16_x(pg, svreinterpret_f16_u32(h));
     return svreinterpret_f32_u32(svlsl_n_u32_x(pg, h, 16));  // bf16 bits are the high half of an f32
   }
 }
@@ -117,6 +120,17 @@ void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int6
   }
 }
 
+// The tail is the last iteration under a partial predicate, as in step_loop.
+template <GradDtype SD, bool ACCUMULATE>
+void grad_loop(float* dst, const void* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += static_cast<int64_t>(svcntw())) {
+    const svbool_t pg = svwhilelt_b32_s64(i, n);
+    svfloat32_t x = load_grad_vec<SD>(pg, src, i);
+    if constexpr (ACCUMULATE) x = svadd_f32_x(pg, svld1_f32(pg, dst + i), x);  // dst + x, as grad_accumulate_one
+    svst1_f32(pg, dst + i, x);
+  }
+}
+
 // ---- sum of squares ------------------------------------------------------------------------
 // The order documented at kSumSquaresLanes has 16 double accumulators whatever the vector
 // length. With D = svcntd() doubles per vector: D in {2, 4, 8} gives K = 16 / D accumulator
@@ -130,6 +144,9 @@ svfloat64_t load_grad_f64(svbool_t pg, const void* g, int64_t i) {
   svuint64_t bits;
   if constexpr (GD == GradDtype::F32) {
     bits = svld1uw_u64(pg, static_cast<const uint32_t*>(g) + i);
+  } else if constexpr (GD == GradDtype::F16) {
+    // The half sits in the low quarter of each 64-bit lane: svcvt_f64_f16 widens it exactly.
+    return svcvt_f64_f16_x(pg, svreinterpret_f16_u64(svld1uh_u64(pg, static_cast<const uint16_t*>(g) + i)));
   } else {
     bits = svlsl_n_u64_x(pg, svld1uh_u64(pg, static_cast<const uint16_t*>(g) + i), 16);
   }
@@ -239,10 +256,17 @@ double sum_squares_sve(const void* g, GradDtype gd, int64_t n) {
   for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {
     const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;
     const void* block = grad_offset(g, gd, begin);
-    sum += gd == GradDtype::F32 ? sum_squares_block_vla<GradDtype::F32>(block, len)
-                                : sum_squares_block_vla<GradDtype::BF16>(block, len);
+    sum += with_grad_dtype(gd, [&](auto gt) { return sum_squares_block_vla<decltype(gt)::value>(block, len); });
   }
   return sum;
+}
+
+void grad_copy_sve(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, false>(dst, src, n); });
+}
+
+void grad_accumulate_sve(float* dst, const void* src, GradDtype sd, int64_t n) {
+  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, true>(dst, src, n); });
 }
 
 }  // namespace grace_adam

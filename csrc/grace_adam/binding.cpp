@@ -14,7 +14,7 @@
 namespace grace_adam {
 namespace {
 
-// Step slices start at multiples of this many elements (64 KiB of fp32 state per buffer), so a
+// Step chunks start at multiples of this many elements (64 KiB of fp32 state per buffer), so a
 // small bucket runs on the calling thread alone.
 constexpr int64_t kStepGrain = 1 << 14;
 
@@ -43,6 +43,12 @@ std::string dtype_name(at::ScalarType st) {
     case at::kBFloat16: return "torch.bfloat16";
     case at::kHalf: return "torch.float16";
     case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
     default: return std::string("torch.") + c10::toString(st);
   }
 }
@@ -71,12 +77,18 @@ void check_state(const at::Tensor& t, const char* name, int64_t n) {
   check_buffer(t, name, n);
 }
 
+GradDtype grad_dtype_of(const at::Tensor& t, const char* name) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "`", name,
+                   "` must be float32, bfloat16 or float16, got ", describe(t),
+                   ". Cast it (`.float()`) into the fp32 staging buffer first.");
+  return st == at::kFloat ? GradDtype::F32 : (st == at::kBFloat16 ? GradDtype::BF16 : GradDtype::F16);
+}
+
 GradDtype check_grad(const at::Tensor& grad, int64_t n) {
-  const auto st = grad.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16, "`grad` must be float32 or bfloat16, got ",
-                   describe(grad), ". Cast it (`.float()`) into the staging buffer before the step.");
+  const GradDtype gd = grad_dtype_of(grad, "grad");
   check_buffer(grad, "grad", n);
-  return st == at::kFloat ? GradDtype::F32 : GradDtype::BF16;
+  return gd;
 }
 
 LowpDtype check_lowp(const std::optional<at::Tensor>& lowp, int64_t n) {
@@ -206,6 +218,46 @@ double sum_squares_(const at::Tensor& grad, int64_t isa) {
   return total;
 }
 
+// Gradient conversion chunks start at multiples of this many elements (64 KiB of fp32 output).
+constexpr int64_t kGradGrain = 1 << 14;
+
+using GradKernel = void (*)(Isa, float*, const void*, GradDtype, int64_t);
+
+// dst (fp32) and src (fp32/bf16/fp16) may have any shapes of one element count; both contiguous.
+void check_grad_pair(const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK_TYPE(dst.scalar_type() == at::kFloat, "`dst` must be float32, got ", describe(dst),
+                   ". It is the fp32 gradient staging buffer the Adam step reads.");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"dst", &dst}, {"src", &src}}) {
+    TORCH_CHECK_TYPE(t->device().is_cpu(), "`", name, "` must be a CPU tensor, got ", describe(*t),
+                     ". Gradient accumulation runs on host memory: pass the host buffer.");
+    TORCH_CHECK_VALUE(t->is_contiguous(), "`", name, "` must be contiguous, got ", describe(*t),
+                      ". The kernel never works on a hidden copy: pass the contiguous buffer itself.");
+  }
+  TORCH_CHECK_VALUE(src.numel() == dst.numel(), "`src` has ", src.numel(), " elements, `dst` has ", dst.numel(),
+                    "; they must have the same number of elements.");
+  TORCH_CHECK_VALUE(!overlaps(dst, src), "`dst` and `src` share memory; accumulate into a separate fp32 buffer.");
+}
+
+void run_grad_op(GradKernel kernel, const at::Tensor& dst, const at::Tensor& src, int64_t isa) {
+  const GradDtype sd = grad_dtype_of(src, "src");
+  check_grad_pair(dst, src);
+  const Isa chosen = check_isa(isa);
+  float* out = dst.data_ptr<float>();
+  const void* in = src.data_ptr();
+  pybind11::gil_scoped_release no_gil;
+  pool().parallel_for(dst.numel(), kGradGrain, [&](int64_t begin, int64_t end) {
+    kernel(chosen, out + begin, grad_offset(in, sd, begin), sd, end - begin);
+  });
+}
+
+void grad_copy_(const at::Tensor& dst, const at::Tensor& src, int64_t isa) {
+  run_grad_op(&grace_adam::grad_copy, dst, src, isa);
+}
+
+void grad_accumulate_(const at::Tensor& dst, const at::Tensor& src, int64_t isa) {
+  run_grad_op(&grace_adam::grad_accumulate, dst, src, isa);
+}
+
 void set_num_threads(int64_t threads) {
   TORCH_CHECK_VALUE(threads >= 1 && threads <= 4096, "`threads` is ", threads, "; expected an integer in [1, 4096].");
   g_pool_size.store(static_cast<int>(threads));
@@ -233,11 +285,15 @@ void def_update(pybind11::module_& module, const char* name, Fn fn, const char* 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   namespace py = pybind11;
   using namespace grace_adam;
-  module.doc() = "GraceAdam: the host Adam kernel (see superoffload_hf/reference.py for the math).";
+  module.doc() = "GraceAdam: the host Adam kernel (see superoffload_hf/host/reference.py for the math).";
   def_update(module, "adam_step_", &adam_step_, "One Adam step in place.");
   def_update(module, "adam_rollback_", &adam_rollback_, "Undo adam_step_ (same gradient and arguments) in place.");
   module.def("sum_squares", &sum_squares_, "Sum of squares of a flat gradient, in float64.", py::arg("grad"),
              py::arg("isa"));
+  module.def("grad_copy_", &grad_copy_, "dst = float(src) (src fp32, bf16 or fp16), in place.", py::arg("dst"),
+             py::arg("src"), py::arg("isa"));
+  module.def("grad_accumulate_", &grad_accumulate_, "dst += float(src) (one fp32 add; src fp32, bf16 or fp16).",
+             py::arg("dst"), py::arg("src"), py::arg("isa"));
   module.def("set_num_threads", &set_num_threads, "Resize this process's kernel thread pool.", py::arg("threads"));
   module.def("get_num_threads", &get_num_threads, "Size of this process's kernel thread pool.");
   module.def("best_isa", [] { return static_cast<int64_t>(best_isa()); });

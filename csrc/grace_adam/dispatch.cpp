@@ -130,6 +130,22 @@ double sum_squares(Isa isa, const void* g, GradDtype gd, int64_t n) {
   }
 }
 
+void grad_copy(Isa isa, float* dst, const void* src, GradDtype sd, int64_t n) {
+  require_supported(isa);
+  switch (isa) {
+    GRACE_ADAM_CASES(grad_copy, dst, src, sd, n)
+    default: return grad_copy_scalar(dst, src, sd, n);
+  }
+}
+
+void grad_accumulate(Isa isa, float* dst, const void* src, GradDtype sd, int64_t n) {
+  require_supported(isa);
+  switch (isa) {
+    GRACE_ADAM_CASES(grad_accumulate, dst, src, sd, n)
+    default: return grad_accumulate_scalar(dst, src, sd, n);
+  }
+}
+
 #undef GRACE_ADAM_CASES
 
 }  // namespace grace_adam

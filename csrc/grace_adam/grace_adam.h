@@ -5,7 +5,11 @@
 // computes the same function with the same operations in the same order, so all paths agree
 // bitwise with the scalar one (sqrt and division are correctly rounded everywhere; fused
 // multiply-adds are written explicitly, and the build uses -ffp-contract=off so the compiler
-// adds none of its own). The math is documented in superoffload_hf/reference.py.
+// adds none of its own). The math is documented in superoffload_hf/host/reference.py.
+//
+// Besides the Adam step, the core converts gradients: grad_copy (dst = float(src)) and
+// grad_accumulate (dst = dst + float(src), one fp32 addition), with src fp32, bf16 or fp16, so
+// that micro-batch accumulation and the upcast run on the kernel's own threads.
 #pragma once
 
 #include <cmath>
@@ -15,7 +19,7 @@
 
 namespace grace_adam {
 
-enum class GradDtype : int { F32 = 0, BF16 = 1 };
+enum class GradDtype : int { F32 = 0, BF16 = 1, F16 = 2 };
 enum class LowpDtype : int { NONE = 0, BF16 = 1, F16 = 2 };
 enum class Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2, NEON = 3, SVE = 4 };
 
@@ -95,14 +99,40 @@ inline uint16_t f32_to_f16_rne(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
-inline float load_grad(const void* g, GradDtype gd, int64_t i) {
-  return gd == GradDtype::F32 ? static_cast<const float*>(g)[i]
-                              : bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
+// IEEE binary16 to float: exact (subnormal halves become normal floats). A NaN keeps its sign
+// and payload and is quieted (bit 22 set), as F16C's vcvtph2ps and Arm's fcvt do.
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u);  // inf, or a quiet NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);  // rebias 15 -> 127
+  } else if (mant == 0) {
+    bits = sign;  // +-0
+  } else {  // subnormal mant * 2^-24: normalise
+    uint32_t e = 113;  // the biased float exponent of 2^-14
+    while ((mant & 0x400u) == 0) mant <<= 1, --e;
+    bits = sign | (e << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
+
+inline float load_grad(const void* g, GradDtype gd, int64_t i) {
+  if (gd == GradDtype::F32) return static_cast<const float*>(g)[i];
+  const uint16_t h = static_cast<const uint16_t*>(g)[i];
+  return gd == GradDtype::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+inline int64_t grad_itemsize(GradDtype gd) { return gd == GradDtype::F32 ? 4 : 2; }
 
 // The address of gradient element i (a caller that splits work hands each slice its own start).
 inline const void* grad_offset(const void* g, GradDtype gd, int64_t i) {
-  return static_cast<const char*>(g) + i * (gd == GradDtype::F32 ? 4 : 2);
+  return static_cast<const char*>(g) + i * grad_itemsize(gd);
 }
 
 inline void store_lowp(void* out, LowpDtype ld, int64_t i, float p) {
@@ -134,16 +164,26 @@ inline void rollback_one(float& p, float& m, float& v, float g_raw, const Coeffs
   v = vr > 0.0f ? vr : 0.0f;  // a negative rounding residue (or a NaN) becomes 0, as max(vr, 0) in SIMD
 }
 
+// Gradient conversion: x is float(src[i]) (load_grad). Accumulation is one fp32 addition, dst + x
+// (torch's `dst.add_(src.float())` computes the same: its add is fma(x, 1, dst), exact for x*1).
+// When both operands are NaN the result is a NaN whose payload depends on the instruction form
+// and the operand order the compiler picks (so ISA paths agree bitwise except there).
+inline void grad_copy_one(float& dst, float x) { dst = x; }
+inline void grad_accumulate_one(float& dst, float x) { dst = dst + x; }
+
 // ---- entry points per ISA: each processes elements [0, n) -----------------------------------
-// p, m, v: fp32 state, updated in place. g: fp32 or bf16 gradient (read only).
+// p, m, v: fp32 state, updated in place. g: fp32, bf16 or fp16 gradient (read only).
 // lowp: nullptr, or n bf16/fp16 outputs (the updated p, rounded to nearest even).
+// grad_copy / grad_accumulate: dst fp32 (written), src fp32, bf16 or fp16 (read only), disjoint.
 
 #define GRACE_ADAM_DECLARE_ISA(suffix)                                                            \
   void step_##suffix(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,       \
                      LowpDtype ld, int64_t n, const Coeffs& c);                                   \
   void rollback_##suffix(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,   \
                          LowpDtype ld, int64_t n, const Coeffs& c);                               \
-  double sum_squares_##suffix(const void* g, GradDtype gd, int64_t n);
+  double sum_squares_##suffix(const void* g, GradDtype gd, int64_t n);                             \
+  void grad_copy_##suffix(float* dst, const void* src, GradDtype sd, int64_t n);                  \
+  void grad_accumulate_##suffix(float* dst, const void* src, GradDtype sd, int64_t n);
 
 GRACE_ADAM_DECLARE_ISA(scalar)
 #if defined(__x86_64__) || defined(_M_X64)
@@ -165,6 +205,8 @@ void step(Isa isa, float* p, float* m, float* v, const void* g, GradDtype gd, vo
 void rollback(Isa isa, float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
               LowpDtype ld, int64_t n, const Coeffs& c);
 double sum_squares(Isa isa, const void* g, GradDtype gd, int64_t n);
+void grad_copy(Isa isa, float* dst, const void* src, GradDtype sd, int64_t n);
+void grad_accumulate(Isa isa, float* dst, const void* src, GradDtype sd, int64_t n);
 
 // sum_squares is computed in fixed blocks of this many elements, each summed in float64 and
 // the block sums added in order, so the result does not depend on how blocks are spread over
@@ -206,10 +248,17 @@ inline void with_lowp_and_l2(GT gt, LowpDtype ld, bool has_l2, F&& f) {
   else with_l2(LowpTag<LowpDtype::NONE>{});
 }
 
+// f(GradTag<GD>{}) for the run-time gradient dtype.
+template <class F>
+inline decltype(auto) with_grad_dtype(GradDtype gd, F&& f) {
+  if (gd == GradDtype::BF16) return f(GradTag<GradDtype::BF16>{});
+  if (gd == GradDtype::F16) return f(GradTag<GradDtype::F16>{});
+  return f(GradTag<GradDtype::F32>{});
+}
+
 template <class F>
 inline void with_variant(GradDtype gd, LowpDtype ld, bool has_l2, F&& f) {
-  if (gd == GradDtype::BF16) with_lowp_and_l2(GradTag<GradDtype::BF16>{}, ld, has_l2, f);
-  else with_lowp_and_l2(GradTag<GradDtype::F32>{}, ld, has_l2, f);
+  with_grad_dtype(gd, [&](auto gt) { with_lowp_and_l2(gt, ld, has_l2, f); });
 }
 
 }  // namespace grace_adam

@@ -1,6 +1,8 @@
 // GraceAdam self-test: every ISA path this CPU runs, called directly (step_neon, ...) and through
 // the dispatcher, checked against a float64 loop of the same math and bitwise against the scalar
-// path. Torch-free; run_selftest.sh builds it natively and for aarch64 under qemu.
+// path; the gradient conversions (grad_copy / grad_accumulate of fp32, bf16 and fp16 sources)
+// against an independent decoding of every 16-bit pattern, bitwise. Torch-free; run_selftest.sh
+// builds it natively and for aarch64 under qemu.
 //
 //   selftest [--expect-isas=scalar,neon,sve] [--quick] [--seed=N] [--inject-fault]
 //
@@ -185,27 +187,32 @@ struct Guarded {
 
 Guarded<float> new_floats(int64_t n, int64_t off) { return Guarded<float>(n, off, float_of(kSentinelF32)); }
 
-// A gradient buffer of either dtype; its guard holds NaN, so a path that reads (and uses) an
+// A gradient buffer of any dtype; its guard holds NaN, so a path that reads (and uses) an
 // element past n makes a sum of squares NaN.
 struct Grad {
   GradDtype gd = GradDtype::F32;
   Guarded<float> f32;
-  Guarded<uint16_t> bf16;
-  const void* ptr() const { return gd == GradDtype::F32 ? static_cast<const void*>(f32.data()) : bf16.data(); }
+  Guarded<uint16_t> half;  // bf16 or fp16 bits
+  const void* ptr() const { return gd == GradDtype::F32 ? static_cast<const void*>(f32.data()) : half.data(); }
   float at(int64_t i) const { return ga::load_grad(ptr(), gd, i); }
 };
+
+const char* grad_name(GradDtype gd) {
+  return gd == GradDtype::F32 ? "fp32" : (gd == GradDtype::BF16 ? "bf16" : "fp16");
+}
 
 Grad new_grad(GradDtype gd, int64_t n, int64_t off) {
   Grad g;
   g.gd = gd;
   if (gd == GradDtype::F32) g.f32 = Guarded<float>(n, off, std::numeric_limits<float>::quiet_NaN());
-  else g.bf16 = Guarded<uint16_t>(n, off, 0x7fc0u);
+  else g.half = Guarded<uint16_t>(n, off, gd == GradDtype::BF16 ? 0x7fc0u : 0x7e00u);
   return g;
 }
 
 void set_grad(Grad& g, int64_t i, float x) {
   if (g.gd == GradDtype::F32) g.f32[i] = x;
-  else g.bf16[i] = ga::f32_to_bf16_rne(x);
+  else if (g.gd == GradDtype::BF16) g.half[i] = ga::f32_to_bf16_rne(x);
+  else g.half[i] = ga::f32_to_f16_rne(x);
 }
 
 Grad random_grad(GradDtype gd, int64_t n, int64_t off, uint64_t seed, int lo2, int hi2) {
@@ -220,11 +227,13 @@ Grad random_grad(GradDtype gd, int64_t n, int64_t off, uint64_t seed, int lo2, i
 using UpdateFn = std::function<void(float*, float*, float*, const void*, GradDtype, void*, LowpDtype,
                                     int64_t, const Coeffs&)>;
 using SumFn = std::function<double(const void*, GradDtype, int64_t)>;
+using GradFn = std::function<void(float*, const void*, GradDtype, int64_t)>;
 
 struct Path {
   std::string name;
   UpdateFn step, rollback;
   SumFn sum_squares;
+  GradFn grad_copy, grad_accumulate;
   bool via_dispatch = false;
 };
 
@@ -238,8 +247,9 @@ std::vector<Path> paths_for_large_sizes(const std::vector<Path>& paths, bool qui
 }
 
 Path direct_path(const char* name, decltype(&ga::step_scalar) step, decltype(&ga::rollback_scalar) rollback,
-                 decltype(&ga::sum_squares_scalar) sum) {
-  return Path{name, step, rollback, sum};
+                 decltype(&ga::sum_squares_scalar) sum, decltype(&ga::grad_copy_scalar) copy,
+                 decltype(&ga::grad_accumulate_scalar) accumulate) {
+  return Path{name, step, rollback, sum, copy, accumulate};
 }
 
 Path dispatch_path(Isa isa) {
@@ -248,7 +258,10 @@ Path dispatch_path(Isa isa) {
                     int64_t n, const Coeffs& c) { ga::step(isa, p, m, v, g, gd, lowp, ld, n, c); },
               [isa](float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp, LowpDtype ld,
                     int64_t n, const Coeffs& c) { ga::rollback(isa, p, m, v, g, gd, lowp, ld, n, c); },
-              [isa](const void* g, GradDtype gd, int64_t n) { return ga::sum_squares(isa, g, gd, n); }, true};
+              [isa](const void* g, GradDtype gd, int64_t n) { return ga::sum_squares(isa, g, gd, n); },
+              [isa](float* dst, const void* src, GradDtype sd, int64_t n) { ga::grad_copy(isa, dst, src, sd, n); },
+              [isa](float* dst, const void* src, GradDtype sd, int64_t n) { ga::grad_accumulate(isa, dst, src, sd, n); },
+              true};
 }
 
 std::vector<Isa> isas_built() {
@@ -264,14 +277,19 @@ std::vector<Isa> isas_built() {
 Path direct_path_for(Isa isa) {
   switch (isa) {
 #if defined(__x86_64__) || defined(_M_X64)
-    case Isa::AVX2: return direct_path("avx2", ga::step_avx2, ga::rollback_avx2, ga::sum_squares_avx2);
-    case Isa::AVX512: return direct_path("avx512", ga::step_avx512, ga::rollback_avx512, ga::sum_squares_avx512);
+    case Isa::AVX2: return direct_path("avx2", ga::step_avx2, ga::rollback_avx2, ga::sum_squares_avx2, ga::grad_copy_avx2,
+                                   ga::grad_accumulate_avx2);
+    case Isa::AVX512: return direct_path("avx512", ga::step_avx512, ga::rollback_avx512, ga::sum_squares_avx512, ga::grad_copy_avx512,
+                                   ga::grad_accumulate_avx512);
 #endif
 #if defined(__aarch64__)
-    case Isa::NEON: return direct_path("neon", ga::step_neon, ga::rollback_neon, ga::sum_squares_neon);
-    case Isa::SVE: return direct_path("sve", ga::step_sve, ga::rollback_sve, ga::sum_squares_sve);
+    case Isa::NEON: return direct_path("neon", ga::step_neon, ga::rollback_neon, ga::sum_squares_neon, ga::grad_copy_neon,
+                                   ga::grad_accumulate_neon);
+    case Isa::SVE: return direct_path("sve", ga::step_sve, ga::rollback_sve, ga::sum_squares_sve, ga::grad_copy_sve,
+                                   ga::grad_accumulate_sve);
 #endif
-    default: return direct_path("scalar", ga::step_scalar, ga::rollback_scalar, ga::sum_squares_scalar);
+    default: return direct_path("scalar", ga::step_scalar, ga::rollback_scalar, ga::sum_squares_scalar, ga::grad_copy_scalar,
+                                   ga::grad_accumulate_scalar);
   }
 }
 
@@ -403,7 +421,7 @@ struct Hyper {
   std::string describe() const {
     static const char* lowp_names[] = {"none", "bf16", "fp16"};
     return fmt("grad=%s lowp=%s %s wd=%g bias_correction=%d grad_scale=%g first_step=%lld",
-               gd == GradDtype::F32 ? "fp32" : "bf16", lowp_names[static_cast<int>(ld)], adamw ? "adamw" : "adam",
+               grad_name(gd), lowp_names[static_cast<int>(ld)], adamw ? "adamw" : "adam",
                weight_decay, bias_correction ? 1 : 0, grad_scale, static_cast<long long>(first_step));
   }
 };
@@ -498,7 +516,7 @@ void run_step_case(const std::vector<Path>& paths, int64_t n, int64_t off, const
 
 std::vector<Hyper> all_hypers() {
   std::vector<Hyper> out;
-  for (GradDtype gd : {GradDtype::F32, GradDtype::BF16})
+  for (GradDtype gd : {GradDtype::F32, GradDtype::BF16, GradDtype::F16})
     for (LowpDtype ld : {LowpDtype::NONE, LowpDtype::BF16, LowpDtype::F16})
       for (bool adamw : {true, false})
         for (bool bc : {true, false})
@@ -622,13 +640,15 @@ void run_sum_squares_cases(const std::vector<Path>& paths) {
   const int64_t block = ga::kSumSquaresBlock;
   sizes.insert(sizes.end(), {block - 1, block, block + 1, 2 * block + 17, 100003});
   uint64_t seed = 500;
-  for (GradDtype gd : {GradDtype::F32, GradDtype::BF16})
+  for (GradDtype gd : {GradDtype::F32, GradDtype::BF16, GradDtype::F16})
     for (int64_t n : sizes) {
       const int64_t off = static_cast<int64_t>(seed % 2);
-      // magnitudes from subnormal floats (bf16: its smallest normals) to ~1e30
-      const Grad g = random_grad(gd, n, off, seed++, gd == GradDtype::F32 ? -140 : -126, 100);
+      // magnitudes from subnormal floats (bf16: its smallest normals; fp16: its subnormals) to
+      // ~1e30 (fp16: its largest binade)
+      const int lo2 = gd == GradDtype::F32 ? -140 : (gd == GradDtype::BF16 ? -126 : -24);
+      const Grad g = random_grad(gd, n, off, seed++, lo2, gd == GradDtype::F16 ? 15 : 100);
       check_sum_finite(paths, g, n, fmt("n=%lld off=%lld grad=%s", static_cast<long long>(n),
-                                        static_cast<long long>(off), gd == GradDtype::F32 ? "fp32" : "bf16"));
+                                        static_cast<long long>(off), grad_name(gd)));
     }
 }
 
@@ -643,7 +663,7 @@ void check_sum_nonfinite(const std::vector<Path>& paths, Grad& g, int64_t n, int
     const bool ok = want_nan ? std::isnan(got) : (std::isinf(got) && got > 0);
     record(path.name, "sum_squares inf/NaN", ok,
            fmt("n=%lld grad=%s: %g at %lld, %g at %lld gives %g, expected %s", static_cast<long long>(n),
-               g.gd == GradDtype::F32 ? "fp32" : "bf16", x, static_cast<long long>(at), y,
+               grad_name(g.gd), x, static_cast<long long>(at), y,
                static_cast<long long>(at2), got, want_nan ? "NaN" : "+inf"));
   }
   g = saved;
@@ -651,7 +671,7 @@ void check_sum_nonfinite(const std::vector<Path>& paths, Grad& g, int64_t n, int
 
 void run_sum_nonfinite_cases(const std::vector<Path>& paths) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
-  for (GradDtype gd : {GradDtype::F32, GradDtype::BF16})
+  for (GradDtype gd : {GradDtype::F32, GradDtype::BF16, GradDtype::F16})
     for (int64_t n : {int64_t(1), int64_t(17), int64_t(35), ga::kSumSquaresBlock + 5, int64_t(100003)}) {
       Grad g = random_grad(gd, n, 1, static_cast<uint64_t>(n), -10, 10);
       const int64_t vec_end = n - n % ga::kSumSquaresLanes;  // elements from here on are the tail
@@ -662,6 +682,96 @@ void run_sum_nonfinite_cases(const std::vector<Path>& paths) {
         check_sum_nonfinite(paths, g, n, at, -nan, -1, 0, true);
         if (n > 1) check_sum_nonfinite(paths, g, n, at, inf, at == 0 ? n - 1 : 0, nan, true);
       }
+    }
+}
+
+// ---- gradient conversion ---------------------------------------------------------------------
+
+// An fp16 bit pattern decoded in double, independently of f16_to_f32: (-1)^s * 2^(e-15) * 1.m, or
+// 2^-14 * 0.m for subnormals. NaN: the quieted float NaN with the payload in the top bits.
+float f16_decoded(uint16_t h) {
+  const double sign = (h & 0x8000u) ? -1.0 : 1.0;
+  const int e = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  if (e == 0x1f && mant == 0) return static_cast<float>(sign * INFINITY);
+  if (e == 0x1f) return float_of((h & 0x8000u ? 0x80000000u : 0u) | 0x7fc00000u | (static_cast<uint32_t>(mant) << 13));
+  if (e == 0) return static_cast<float>(sign * std::ldexp(mant, -24));
+  return static_cast<float>(sign * std::ldexp(1024 + mant, e - 25));
+}
+
+float decoded(GradDtype sd, const Grad& src, int64_t i) {
+  if (sd == GradDtype::F32) return src.f32[i];
+  if (sd == GradDtype::BF16) return float_of(static_cast<uint32_t>(src.half[i]) << 16);
+  return f16_decoded(src.half[i]);
+}
+
+void check_f16_decoding() {
+  int64_t bad = -1;
+  for (uint32_t h = 0; h < 0x10000u && bad < 0; ++h)
+    if (bits_of(ga::f16_to_f32(static_cast<uint16_t>(h))) != bits_of(f16_decoded(static_cast<uint16_t>(h)))) bad = h;
+  record("scalar", "f16_to_f32 == decoding", bad < 0,
+         fmt("half 0x%04x: f16_to_f32 0x%08x, decoded 0x%08x", static_cast<unsigned>(bad),
+             bits_of(ga::f16_to_f32(static_cast<uint16_t>(bad))), bits_of(f16_decoded(static_cast<uint16_t>(bad)))));
+}
+
+// Sources: every 16-bit pattern in turn (then random halves), or random fp32 bits (every class:
+// NaNs with payloads, infinities, subnormals, zeros of both signs). Destinations: random fp32 bits.
+Grad grad_source(GradDtype sd, int64_t n, int64_t off, uint64_t seed) {
+  Grad src = new_grad(sd, n, off);
+  Rng rng(seed);
+  for (int64_t i = 0; i < n; ++i) {
+    if (sd == GradDtype::F32) src.f32[i] = float_of(static_cast<uint32_t>(rng.next()));
+    else src.half[i] = static_cast<uint16_t>(i < 0x10000 ? (i * 40503 + static_cast<int64_t>(seed)) : rng.next());
+  }
+  return src;
+}
+
+void check_grad_case(const std::vector<Path>& paths, GradDtype sd, int64_t n, int64_t off, uint64_t seed) {
+  const Grad src = grad_source(sd, n, off, seed);
+  Guarded<float> dst0 = new_floats(n, off);
+  Rng rng(seed + 1);
+  for (int64_t i = 0; i < n; ++i) dst0[i] = float_of(static_cast<uint32_t>(rng.next()));
+  for (bool accumulate : {false, true}) {
+    const char* op = accumulate ? "grad_accumulate" : "grad_copy";
+    // The specification, element by element: decoded(src) (+ dst: one fp32 add on this hardware).
+    // With two NaN operands which payload an add keeps depends on the instruction form and the
+    // operand order the compiler picks: the result only has to be a NaN.
+    std::vector<uint32_t> want(static_cast<size_t>(n));
+    std::vector<bool> any_nan(static_cast<size_t>(n), false);
+    for (int64_t i = 0; i < n; ++i) {
+      volatile float x = decoded(sd, src, i), d = dst0[i];
+      want[static_cast<size_t>(i)] = bits_of(accumulate ? d + x : x);
+      any_nan[static_cast<size_t>(i)] = accumulate && std::isnan(x) && std::isnan(d);
+    }
+    for (const Path& path : paths) {
+      Guarded<float> dst = dst0;
+      (accumulate ? path.grad_accumulate : path.grad_copy)(dst.data(), src.ptr(), sd, n);
+      int64_t bad = -1;
+      for (int64_t i = 0; i < n && bad < 0; ++i) {
+        const bool ok = any_nan[static_cast<size_t>(i)] ? std::isnan(dst[i]) : bits_of(dst[i]) == want[static_cast<size_t>(i)];
+        if (!ok) bad = i;
+      }
+      const std::string tag = fmt("%s n=%lld off=%lld src=%s", op, static_cast<long long>(n),
+                                  static_cast<long long>(off), grad_name(sd));
+      record(path.name, "grad guards untouched", dst.guards_intact(), tag);
+      record(path.name, "grad bitwise == spec", bad < 0,
+             bad < 0 ? tag
+                     : fmt("element %lld: dst 0x%08x src element -> 0x%08x: got 0x%08x, expected 0x%08x; ",
+                           static_cast<long long>(bad), bits_of(dst0[bad]), bits_of(decoded(sd, src, bad)),
+                           bits_of(dst[bad]), want[static_cast<size_t>(bad)]) + tag);
+    }
+  }
+}
+
+void run_grad_cases(const std::vector<Path>& paths, bool quick) {
+  check_f16_decoding();
+  std::vector<int64_t> sizes = small_sizes();
+  sizes.insert(sizes.end(), {ga::kSumSquaresBlock - 1, ga::kSumSquaresBlock + 1, 0x10000, 100003});
+  const std::vector<Path> large_paths = paths_for_large_sizes(paths, quick);
+  uint64_t seed = 900;
+  for (GradDtype sd : {GradDtype::F32, GradDtype::BF16, GradDtype::F16})
+    for (int64_t n : sizes) {
+      check_grad_case(n > 1000 ? large_paths : paths, sd, n, static_cast<int64_t>(seed % 2), seed);
+      ++seed;
     }
 }
 
@@ -720,11 +830,13 @@ std::vector<Isa> parse_isa_list(const std::string& list) {
   return out;
 }
 
-// --inject-fault: the scalar path with three planted bugs (the last param off by one ulp after a
-// step, a write past the end after a rollback, a sum of squares one ulp high), to show that
+// --inject-fault: the scalar path with four planted bugs (the last param off by one ulp after a
+// step, a write past the end after a rollback, a sum of squares one ulp high, an accumulated
+// gradient one ulp high in the middle), to show that
 // the checks catch them and the run exits non-zero.
 Path faulty_path() {
-  Path p = direct_path("faulty(scalar)", ga::step_scalar, ga::rollback_scalar, ga::sum_squares_scalar);
+  Path p = direct_path("faulty(scalar)", ga::step_scalar, ga::rollback_scalar, ga::sum_squares_scalar,
+                       ga::grad_copy_scalar, ga::grad_accumulate_scalar);
   p.step = [](float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp, LowpDtype ld, int64_t n,
               const Coeffs& c) {
     ga::step_scalar(p, m, v, g, gd, lowp, ld, n, c);
@@ -737,6 +849,10 @@ Path faulty_path() {
   };
   p.sum_squares = [](const void* g, GradDtype gd, int64_t n) {
     return std::nextafter(ga::sum_squares_scalar(g, gd, n), INFINITY);
+  };
+  p.grad_accumulate = [](float* dst, const void* src, GradDtype sd, int64_t n) {
+    ga::grad_accumulate_scalar(dst, src, sd, n);
+    if (n > 1) dst[n / 2] = std::nextafter(dst[n / 2], INFINITY);
   };
   return p;
 }
@@ -819,6 +935,7 @@ int main(int argc, char** argv) {
   });
   timed("sum_squares", timings, [&] { run_sum_squares_cases(paths); });
   timed("sum_squares inf/NaN", timings, [&] { run_sum_nonfinite_cases(paths); });
+  timed("grad copy/accumulate", timings, [&] { run_grad_cases(paths, quick); });
   print_summary(paths);
   std::printf("seconds per section (informational):%s\n", timings.c_str());
   std::printf("GraceAdam selftest (%s): %d passed, %d failed\n", names.c_str(), g_passed, g_failed);

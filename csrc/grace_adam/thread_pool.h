@@ -1,8 +1,13 @@
-// A small persistent thread pool (torch-free): runs fn(begin, end) over slices of [0, n).
+// A small persistent thread pool (torch-free): runs fn(begin, end) over chunks of [0, n).
 //
-// The caller's thread runs the first slice and the workers the others; the call returns when
-// every slice is done and rethrows the first exception any slice threw. One parallel_for runs
-// at a time (concurrent callers queue). Its size is set explicitly, never from OMP_NUM_THREADS.
+// The caller's thread and the workers claim chunks from a shared counter until none is left, so a
+// thread that gets its core late (another library's OpenMP workers keep spinning for a while after
+// their parallel region; other processes) does less of the work instead of holding up the call.
+// Chunk boundaries depend only on n, the grain and the pool size, never on which thread runs a
+// chunk, so results that depend on them (sum_squares' blocks) are the same whatever the timing.
+// The call returns when every chunk is done and rethrows the first exception any chunk threw. One
+// parallel_for runs at a time (concurrent callers queue). Its size is set explicitly, never from
+// OMP_NUM_THREADS.
 #pragma once
 
 #include <algorithm>
@@ -38,26 +43,29 @@ class ThreadPool {
     start_workers(size_new - 1);
   }
 
-  // Slices start at multiples of `grain`; there are at most size() of them, as equal as the
-  // grain allows. A range of at most one grain runs on the caller alone, with no hand-off.
+  // Chunks start at multiples of `grain`; about kChunksPerThread per participating thread. A
+  // range of at most one grain runs on the caller alone, with no hand-off.
   void parallel_for(int64_t n, int64_t grain, const SliceFn& fn) {
     if (n <= 0) return;
     std::lock_guard<std::mutex> one_run(run_mutex_);
     const int64_t grains = (n + grain - 1) / grain;
-    const int64_t slices_max = std::min<int64_t>(size(), grains);
-    const int64_t chunk = (grains + slices_max - 1) / slices_max * grain;
-    const int slices = static_cast<int>((n + chunk - 1) / chunk);
-    if (slices == 1) return fn(0, n);
-    publish(Job{&fn, n, chunk, slices});
-    run_slice(0);
+    const int threads = static_cast<int>(std::min<int64_t>(size(), grains));
+    if (threads == 1) return fn(0, n);
+    const int64_t chunks_wanted = static_cast<int64_t>(threads) * kChunksPerThread;
+    const int64_t chunk = (grains + chunks_wanted - 1) / chunks_wanted * grain;
+    next_chunk_.store(0);  // every worker of the previous job has reported back: nobody claims now
+    publish(Job{&fn, n, chunk, (n + chunk - 1) / chunk, threads});
+    run_chunks();
     wait_and_rethrow();
   }
 
  private:
+  static constexpr int64_t kChunksPerThread = 8;
+
   struct Job {
     const SliceFn* fn = nullptr;
-    int64_t n = 0, chunk = 0;
-    int slices = 0;
+    int64_t n = 0, chunk = 0, chunks = 0;
+    int threads = 0;  // the caller and workers 1 .. threads-1 take part
   };
 
   static int checked_size(int threads) {
@@ -88,20 +96,23 @@ class ThreadPool {
   void publish(const Job& job) {
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = job;
-    pending_ = job.slices - 1;
+    pending_ = job.threads - 1;
     error_ = nullptr;
     ++generation_;
     work_ready_.notify_all();
   }
 
-  void run_slice(int index) {
-    const int64_t begin = index * job_.chunk;
-    const int64_t end = std::min(job_.n, begin + job_.chunk);
-    try {
-      (*job_.fn)(begin, end);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!error_) error_ = std::current_exception();
+  // Claims and runs chunks until none is left (after an exception, the rest still run: the call
+  // reports the first exception once every chunk has finished).
+  void run_chunks() {
+    for (int64_t c = next_chunk_.fetch_add(1); c < job_.chunks; c = next_chunk_.fetch_add(1)) {
+      const int64_t begin = c * job_.chunk;
+      try {
+        (*job_.fn)(begin, std::min(job_.n, begin + job_.chunk));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
     }
   }
 
@@ -117,9 +128,9 @@ class ThreadPool {
       work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen; });
       if (stopping_) return;
       seen = generation_;
-      if (index >= job_.slices) continue;
+      if (index >= job_.threads) continue;
       lock.unlock();
-      run_slice(index);  // job_ is not rewritten until every slice has reported back
+      run_chunks();  // job_ and next_chunk_ are not rewritten until every worker has reported back
       lock.lock();
       if (--pending_ == 0) all_done_.notify_one();
     }
@@ -130,6 +141,7 @@ class ThreadPool {
   std::condition_variable work_ready_, all_done_;
   std::vector<std::thread> workers_;
   std::atomic<int> size_{1};  // readable while a resize runs
+  std::atomic<int64_t> next_chunk_{0};  // the next chunk of job_ to claim
   Job job_;
   uint64_t generation_ = 0;
   int pending_ = 0;

@@ -89,7 +89,8 @@ def _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correc
 
 
 class ReferenceHostAdam:
-    """The PyTorch reference (superoffload_hf.host.reference) behind the host Adam interface."""
+    """The PyTorch reference (superoffload_hf.host.reference) behind the host Adam interface,
+    including the gradient staging ops ``grad_copy_`` / ``grad_accumulate_`` (torch's own pool)."""
 
     name = "reference"
     isa = "none"
@@ -112,6 +113,12 @@ class ReferenceHostAdam:
     def sum_squares(self, grad: torch.Tensor) -> float:
         return reference.sum_squares(grad)
 
+    def grad_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        reference.grad_copy_(dst, src)
+
+    def grad_accumulate_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        reference.grad_accumulate_(dst, src)
+
     def set_num_threads(self, n: int) -> None:
         self.threads = _check_threads(n)
 
@@ -120,7 +127,8 @@ class ReferenceHostAdam:
 
 
 class CppHostAdam:
-    """The GraceAdam kernel. Its thread pool belongs to the process (shared by every instance)."""
+    """The GraceAdam kernel. Its thread pool belongs to the process (shared by every instance); every
+    method, ``grad_copy_`` / ``grad_accumulate_`` included, runs on it with the GIL released."""
 
     name = "cpp"
 
@@ -145,6 +153,14 @@ class CppHostAdam:
 
     def sum_squares(self, grad: torch.Tensor) -> float:
         return float(self._ext.sum_squares(grad, self._isa_code))
+
+    def grad_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst = float(src) on the kernel's threads (src fp32/bf16/fp16, dst fp32, same numel)."""
+        self._ext.grad_copy_(dst, src, self._isa_code)
+
+    def grad_accumulate_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst += float(src), one fp32 add per element, on the kernel's threads."""
+        self._ext.grad_accumulate_(dst, src, self._isa_code)
 
     def set_num_threads(self, n: int) -> None:
         self._ext.set_num_threads(_check_threads(n))

@@ -2,8 +2,17 @@ r"""The host Adam operations in plain PyTorch: the specification, and the fallba
 
 All buffers are flat, contiguous, 1-D CPU tensors of one length ``n``. The state (``param``,
 ``exp_avg``, ``exp_avg_sq``) is floating point (fp32 in production; float64 tensors give the
-exact-math reference the tests measure against). ``grad`` is fp32, bf16 or float64 and is never
-modified.
+exact-math reference the tests measure against). ``grad`` is fp32, bf16, fp16 or float64 and is
+never modified.
+
+Gradient staging (micro-batch accumulation into the fp32 buffer the step reads), ``src`` fp32,
+bf16 or fp16, ``dst`` fp32, any shapes of one element count, both contiguous, disjoint::
+
+    grad_copy_(dst, src):        dst = float(src)          (exact)
+    grad_accumulate_(dst, src):  dst = dst + float(src)    (one fp32 addition)
+
+torch's ``add_`` is ``fma(src, 1, dst)``, exactly ``dst + src``, so the kernel agrees with these
+bitwise (where both operands are NaN the result is a NaN of either payload).
 
 Adam step ``t`` (1-based), with ``g = grad * grad_scale``::
 
@@ -61,7 +70,8 @@ from typing import Optional
 import torch
 
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+GRAD_SRC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 rollback_error_bound_ulps = 4
 rollback_error_bound_ulps_l2 = 8
@@ -127,7 +137,7 @@ def _check(param, exp_avg, exp_avg_sq, grad, param_lowp) -> None:
         if t.numel() != n:
             raise ValueError(f"`{name}` has {t.numel()} elements, `param` has {n}; all buffers must have the same length.")
     if grad.device != device or grad.dtype not in GRAD_DTYPES:
-        raise TypeError(f"`grad` must be an fp32 or bf16 tensor on {device} (the device of `param`), got {grad.dtype} on {grad.device}.")
+        raise TypeError(f"`grad` must be an fp32, bf16 or fp16 tensor on {device} (the device of `param`), got {grad.dtype} on {grad.device}.")
     if grad.dim() != 1 or not grad.is_contiguous() or grad.numel() != n:
         raise ValueError(f"`grad` must be a flat contiguous 1-D tensor of {n} elements, got shape {tuple(grad.shape)}.")
     if param_lowp is not None:
@@ -219,8 +229,44 @@ def sum_squares(grad: torch.Tensor) -> float:
 
     Returns inf or NaN when any element is non-finite (validation relies on it)."""
     if grad.device.type != "cpu" or grad.dtype not in GRAD_DTYPES:
-        raise TypeError(f"`grad` must be an fp32 or bf16 CPU tensor, got {grad.dtype} on {grad.device}.")
+        raise TypeError(f"`grad` must be an fp32, bf16 or fp16 CPU tensor, got {grad.dtype} on {grad.device}.")
     if grad.dim() != 1 or not grad.is_contiguous():
         raise ValueError(f"`grad` must be a flat contiguous 1-D tensor, got shape {tuple(grad.shape)}.")
     g = grad.to(torch.float64)
     return float(torch.dot(g, g))
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _check_grad_pair(dst: torch.Tensor, src: torch.Tensor) -> None:
+    # The kernel's checks, in its order and with its exception types; any one device.
+    if src.dtype not in GRAD_SRC_DTYPES:
+        raise TypeError(f"`src` must be float32, bfloat16 or float16, got {src.dtype}. Cast it (`.float()`) into the fp32 staging buffer first.")
+    if dst.dtype != torch.float32:
+        raise TypeError(f"`dst` must be float32, got {dst.dtype}. It is the fp32 gradient staging buffer the Adam step reads.")
+    if src.device != dst.device:
+        raise TypeError(f"`src` must be on {dst.device} (the device of `dst`), got {src.device}.")
+    for name, t in (("dst", dst), ("src", src)):
+        if not t.is_contiguous():
+            raise ValueError(f"`{name}` must be contiguous, got shape {tuple(t.shape)}, strides {t.stride()}.")
+    if src.numel() != dst.numel():
+        raise ValueError(f"`src` has {src.numel()} elements, `dst` has {dst.numel()}; they must have the same number of elements.")
+    if _overlaps(dst, src):
+        raise ValueError("`dst` and `src` share memory; accumulate into a separate fp32 buffer.")
+
+
+def grad_copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst = float(src), in place (src fp32, bf16 or fp16; dst fp32; same element count)."""
+    _check_grad_pair(dst, src)
+    dst.view(-1).copy_(src.view(-1))
+
+
+def grad_accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst = dst + float(src), one fp32 addition per element, in place."""
+    _check_grad_pair(dst, src)
+    dst.view(-1).add_(src.view(-1))
