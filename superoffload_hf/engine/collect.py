@@ -99,15 +99,18 @@ class Collector:
 
     def flush(self, rt: BucketRuntime, launch: bool = False, spec: Optional[StepCall] = None) -> None:
         """Copy the current round to the host; queue its accumulation (and launch)."""
-        self.waiter.wait_idle(rt)  # the worker may still read this bucket's grad / recv buffers
-        flat = rt.take_round()
         first = not rt.staged
+        if not first and rt.grad_in is not rt.bufs.grad:  # a kept round, re-opened: upcast it
+            self.worker.submit(functools.partial(self.jobs.hold_in_fp32, rt), rt.pending)  # before
+        self.waiter.wait_idle(rt)  # the next round lands there; the worker may still read grad / recv
+        flat = rt.take_round()
         fp32_direct = first and flat.dtype == torch.float32
         landed = rt.bufs.grad if fp32_direct else rt.bufs.recv_buffer(flat.dtype)
         event = self.transfer.grad_to_host(flat, landed)
         self.counters.bytes_d2h += flat.numel() * flat.element_size()
         rt.staged = True
-        jobs = [functools.partial(self.jobs.receive, rt, landed, event, first)]
+        keep = first and launch  # this round is the step's whole gradient: no upcast
+        jobs = [functools.partial(self.jobs.receive, rt, landed, event, first, keep)]
         if launch:
             self._mark_launched(rt)
             jobs.append(functools.partial(self.jobs.launch, rt, spec, self.step.budget))

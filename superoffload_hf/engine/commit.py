@@ -66,7 +66,7 @@ class Committer:
 
     def _step_on_device(self, rt: BucketRuntime, call: StepCall) -> None:
         # The same math as the host kernel, in stream order on the device.
-        stepper.apply(reference.adam_step_, rt.bufs, call, self.adamw)
+        stepper.apply(reference.adam_step_, rt.bufs, rt.bufs.grad, call, self.adamw)
         with torch.no_grad():
             for k in stepper.run_slots(call):
                 slot = rt.bucket.slots[k]

@@ -1,7 +1,10 @@
 """The work the host worker does on a bucket. Every method runs in the worker thread.
 
 * `receive`: a gradient round has been queued device->host; wait for it to land, then copy or add
-  it in fp32 into the bucket's gradient buffer (the accumulation never happens in low precision).
+  it in fp32 into the bucket's gradient buffer (the accumulation never happens in low precision),
+  with the kernel's own thread pool, never torch's intra-op pool (`accelerate launch` sets it to
+  one thread, and its spinning OpenMP workers would steal the cores from the host Adam). A step
+  made of one round in the link dtype is not upcast at all: the kernel reads it as it landed.
 * `launch`: the bucket's float64 sum of squares; then, when speculating and the step so far still
   admits a commit, its speculative step and copy-back (LAUNCHED -> SPECULATED, else STAGED).
 * `step` / `rollback`: after validation, the committed step, or the undoing of a speculative one
@@ -28,19 +31,31 @@ class HostJobs:
         self.snapshot = snapshot
         self.counters = counters
 
-    def receive(self, rt: BucketRuntime, landed: torch.Tensor, event, first: bool) -> None:
+    def receive(self, rt: BucketRuntime, landed: torch.Tensor, event, first: bool, keep: bool) -> None:
+        """`keep`: this round is the whole step's gradient; step from `landed` as it is."""
         self.transfer.wait_host(event)  # the gradient copy into `landed` has finished
-        if landed is not rt.bufs.grad:
-            if first:
-                rt.bufs.grad.copy_(landed)
-            else:
-                rt.bufs.grad.add_(landed)  # fp32 accumulation over micro-batches
+        start = time.perf_counter()
+        if landed is rt.bufs.grad or keep:
+            rt.grad_in = landed
+        elif first:
+            self.adam.grad_copy_(rt.bufs.grad, landed)
+            rt.grad_in = rt.bufs.grad
+        else:
+            self.adam.grad_accumulate_(rt.bufs.grad, landed)  # fp32 accumulation over micro-batches
+        self.counters.host_step_seconds += time.perf_counter() - start
+
+    def hold_in_fp32(self, rt: BucketRuntime) -> None:
+        """A kept round must be accumulated after all (its bucket was re-opened): upcast it
+        before the next round lands in the same receive buffer."""
+        if rt.grad_in is not rt.bufs.grad:
+            self.adam.grad_copy_(rt.bufs.grad, rt.grad_in)
+            rt.grad_in = rt.bufs.grad
 
     def launch(self, rt: BucketRuntime, spec: Optional[StepCall], budget=None) -> None:
         """Norm of the bucket; then its speculative step if `spec` is given and `budget`
         (a SpeculationBudget) still admits it, which also keeps non-finite gradients out."""
         start = time.perf_counter()
-        rt.sumsq = self.adam.sum_squares(rt.bufs.grad)
+        rt.sumsq = self.adam.sum_squares(rt.grad_in)
         speculate = spec is not None and budget.admit(rt.sumsq)
         rt.spec = spec if speculate else None
         rt.move(BucketState.SPECULATED if speculate else BucketState.STAGED)
@@ -54,7 +69,7 @@ class HostJobs:
         start = time.perf_counter()
         if snapshot:
             rt.bufs.take_snapshot()
-        stepper.apply(self.adam.adam_step_, rt.bufs, call, self.adamw, rt.bufs.lowp)
+        stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
         self.counters.host_step_seconds += time.perf_counter() - start
         self.copy_back(rt, call)
 
@@ -65,9 +80,9 @@ class HostJobs:
         if self.snapshot:
             rt.bufs.restore_snapshot()
         else:
-            stepper.apply(self.adam.adam_rollback_, rt.bufs, call, self.adamw, rt.bufs.lowp)
+            stepper.apply(self.adam.adam_rollback_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
         if redo is not None:
-            stepper.apply(self.adam.adam_step_, rt.bufs, redo, self.adamw, rt.bufs.lowp)
+            stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, redo, self.adamw, rt.bufs.lowp)
         self.counters.host_step_seconds += time.perf_counter() - start
         self.copy_back(rt, redo or call)
 

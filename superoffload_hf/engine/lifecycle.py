@@ -71,6 +71,10 @@ class BucketRuntime:
         self.pending = Pending()  # worker jobs queued on this bucket
         self.norm_ready = threading.Event()
         self.h2d_event = None  # the last copy-back to the device (None: nothing in flight)
+        # What the worker's step reads as this step's gradient: bufs.grad, or the receive buffer
+        # when one round in the link dtype is the whole step. Written and read by worker jobs;
+        # valid until the next step's first round (kept across reset(): queued jobs read it).
+        self.grad_in: Optional[torch.Tensor] = bufs.grad
         self.state = BucketState.IDLE
         self.reset()
 

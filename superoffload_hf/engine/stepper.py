@@ -64,16 +64,17 @@ def plan_runs(bucket: Bucket, present: Sequence[bool], param_steps: Sequence[int
     return tuple(runs)
 
 
-def apply(op: Callable, bufs: BucketBuffers, call: StepCall, adamw: bool,
+def apply(op: Callable, bufs: BucketBuffers, grad: torch.Tensor, call: StepCall, adamw: bool,
           lowp: Optional[torch.Tensor] = None) -> None:
-    """Run `op` (adam_step_ or adam_rollback_ of a back end) over every run of `call`."""
+    """Run `op` (adam_step_ or adam_rollback_ of a back end) over every run of `call`, reading
+    the gradient from `grad` (the bucket's fp32 buffer, or a round kept in the link dtype)."""
     h = call.hyper
     for run in call.runs:
         if run.numel == 0:
             continue
         end = run.offset + run.numel
         op(bufs.master[run.offset:end], bufs.exp_avg[run.offset:end], bufs.exp_avg_sq[run.offset:end],
-           bufs.grad[run.offset:end], step=run.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+           grad[run.offset:end], step=run.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
            weight_decay=h.weight_decay, adamw=adamw, bias_correction=True, grad_scale=call.grad_scale,
            param_lowp=None if lowp is None else lowp[run.offset:end])
 
