@@ -306,6 +306,9 @@ def probe(device: Optional[torch.device] = None, recipe=None, *, quick: bool = F
     point = QUICK_POINT_SECONDS if quick else POINT_SECONDS
     numel = QUICK_ADAM_NUMEL if quick else ADAM_NUMEL
     report = ProbeReport(device=runtime.name, host_adam=adam.describe(), engine_threads=engine_threads)
+    # The model first, while nothing else has run in this process (on a CPU device, worker
+    # threads of the micro-benchmarks below may still be winding down for a while).
+    workload = measure_workload(recipe, runtime, trials=1 if quick else 3) if recipe is not None else None
     report.copies = measure_copies(runtime, QUICK_TRANSFER_SIZES if quick else TRANSFER_SIZES, point)
     try:
         report.host_adam_rate, report.host_adam_rate_busy = measure_host_adam(
@@ -314,8 +317,7 @@ def probe(device: Optional[torch.device] = None, recipe=None, *, quick: bool = F
         adam.set_num_threads(engine_threads)
     report.device_adam_rate, report.device_adam = measure_device_adam(runtime, numel, point)
     report.device_free_bytes = int(runtime.memory_info()[0])
-    if recipe is not None:
-        workload = measure_workload(recipe, runtime, trials=1 if quick else 3)
+    if workload is not None:
         lowp_bytes = torch.empty((), dtype=getattr(torch, recipe.model_dtype)).element_size()
         plan = choose_plan(report.machine(lowp_bytes), workload)
         report.workload = dataclasses.asdict(workload)
