@@ -227,7 +227,8 @@ def build_recipe_model(recipe, device: torch.device):
 def measure_workload(recipe, runtime, trials: int = 3) -> Workload:
     model = build_recipe_model(recipe, runtime.device)
     if recipe.training.get("gradient_checkpointing"):
-        model.gradient_checkpointing_enable()  # backward recomputes the forward, as in training
+        model.gradient_checkpointing_enable(  # backward recomputes the forward, as in training
+            gradient_checkpointing_kwargs=recipe.training.get("gradient_checkpointing_kwargs"))
     model.train()
     batch = int(recipe.training.get("per_device_train_batch_size", 8))
     accumulation = int(recipe.training.get("gradient_accumulation_steps", 1))
@@ -356,6 +357,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        threads=args.threads)
     except ValueError as exc:  # RecipeError, ConfigError and a device torch cannot use are ValueErrors
         print(f"superoffload probe: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a hub model's config that cannot be fetched (offline) or read
+        print(f"superoffload probe: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError as exc:
         print(f"superoffload probe: error: the recipe's model does not fit on the device for a plain forward "
