@@ -24,11 +24,14 @@ from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeErro
 
 USAGE = """usage: superoffload train RECIPE.yaml [--dry-run] [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
+       superoffload probe [--json FILE] [--recipe R.yaml]
 
 commands:
   train    train the model a recipe describes; command-line keys override the YAML,
            e.g. `superoffload train recipes/tiny_llama_cpu.yaml --training.max_steps 20`
   launch   `accelerate launch` with a `superoffload:` block in the accelerate config
+  probe    measure this machine's links, host and device Adam (and a recipe's backward);
+           print the plan they imply (bucket size, device buckets, cast) and the step time
 """
 
 
@@ -44,6 +47,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from superoffload_hf.integrations.launcher import main as launch_main
 
         return launch_main(rest)
+    if command == "probe":
+        from superoffload_hf.perf.probe import main as probe_main
+
+        return probe_main(rest)
     print(f"superoffload: unknown command {command!r}; expected `train` or `launch`.\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,152 @@
+"""What SuperOffload costs where there is nothing to offload: the CPU as the device, fp32, against
+stock torch AdamW (fused on the CPU when this torch supports it, else foreach).
+
+    python benchmarks/cpu_overhead.py                 # the tiny recipe's model and a ~10M Llama
+    python benchmarks/cpu_overhead.py --no-check      # report only
+
+Both contenders train identical copies of one model on the same batches, clipping at 1.0 (the
+Hugging Face default: `clip_grad_norm_` for torch, `max_grad_norm` handed to ours), in one
+process, alternating step by step (who goes first alternates too, so drift and noise of a shared
+machine fall on both). A step is what a training loop sees: forward, backward, optimizer step,
+zero_grad. Reported per model: the median step time of each (warm-up steps excluded) and the
+ratio ours / torch. Target: <= 1.05x on every model; a miss exits 2 (unless --no-check). Both
+contenders' losses must agree (same math): a disagreement exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+TARGET_RATIO = 1.05
+MODELS = {
+    # the tiny recipe (recipes/tiny_llama_cpu.yaml): 1.3M parameters, 8 x 128 tokens a step
+    "tiny-recipe": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=2048, batch=8, seq=128),
+    # ~10M parameters
+    "llama-10m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=8192, batch=4, seq=128),
+}
+LR, WEIGHT_DECAY, MAX_GRAD_NORM = 3e-3, 0.01, 1.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    p.add_argument("--steps", type=int, default=30, help="measured steps per contender")
+    p.add_argument("--warmup", type=int, default=5, help="unmeasured steps first")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    p.add_argument("--loss-rtol", type=float, default=1e-3)
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-check", action="store_true", help="report only; never exit 2 on a missed target")
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        p.error(f"--models: unknown {unknown}; valid: {list(MODELS)}")
+    return args
+
+
+def build(spec: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = {k: v for k, v in spec.items() if k not in ("batch", "seq")}
+    config = LlamaConfig(**fields, max_position_embeddings=spec["seq"], tie_word_embeddings=False,
+                         attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def torch_adamw(params):
+    for kind in ("fused", "foreach"):
+        try:
+            return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **{kind: True}), kind
+        except (RuntimeError, ValueError):
+            continue
+    raise RuntimeError("torch.optim.AdamW supports neither fused nor foreach here.")
+
+
+def measure(name: str, spec: dict, args) -> dict:
+    from superoffload_hf import SuperOffloadAdamW
+
+    model_ours = build(spec)
+    model_torch = copy.deepcopy(model_ours)
+    ours = SuperOffloadAdamW(model_ours.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                             max_grad_norm=MAX_GRAD_NORM, config={"device_dtype": "fp32"})
+    stock, kind = torch_adamw(model_torch.parameters())
+
+    def step_ours(ids):
+        loss = model_ours(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ours.step()
+        ours.zero_grad()
+        return float(loss.detach())
+
+    def step_torch(ids):
+        loss = model_torch(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model_torch.parameters(), MAX_GRAD_NORM)
+        stock.step()
+        stock.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    g = torch.Generator().manual_seed(1234)
+    times = {"ours": [], "torch": []}
+    losses = {"ours": [], "torch": []}
+    with ours:
+        for i in range(args.warmup + args.steps):
+            ids = torch.randint(0, spec["vocab_size"], (spec["batch"], spec["seq"]), generator=g)
+            order = (("ours", step_ours), ("torch", step_torch))
+            for who, step in (order if i % 2 == 0 else order[::-1]):
+                start = time.perf_counter()
+                losses[who].append(step(ids))
+                if i >= args.warmup:
+                    times[who].append(time.perf_counter() - start)
+        describe = ours.describe()
+    med = {who: statistics.median(t) for who, t in times.items()}
+    worst_loss = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["ours"], losses["torch"]))
+    return dict(model=name, params=sum(p.numel() for p in model_ours.parameters()), torch_kind=kind,
+                tokens=spec["batch"] * spec["seq"], ours_ms=med["ours"] * 1e3, torch_ms=med["torch"] * 1e3,
+                ratio=med["ours"] / med["torch"], loss_rel_diff=worst_loss, final_loss=losses["ours"][-1],
+                describe=describe)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    from superoffload_hf.host.kernel import get_host_adam
+
+    print(f"cpu_overhead: torch {torch.__version__}, {torch.get_num_threads()} torch threads; "
+          f"{get_host_adam().describe()}; {args.steps} measured steps after {args.warmup}, alternating")
+    results = [measure(name, MODELS[name], args) for name in args.models]
+    print("\n| model | params | tokens/step | ours ms (median) | torch AdamW ms (median) | ours / torch | target |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['tokens']} | {r['ours_ms']:.2f} | "
+              f"{r['torch_ms']:.2f} ({r['torch_kind']}) | {r['ratio']:.3f}x | "
+              f"{'met' if r['ratio'] <= TARGET_RATIO else 'MISSED'} (<= {TARGET_RATIO}x) |")
+    print(f"\n{results[0]['describe']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    bad_loss = [r for r in results if r["loss_rel_diff"] > args.loss_rtol]
+    for r in bad_loss:
+        print(f"FAIL: {r['model']}: losses of ours and torch differ by {r['loss_rel_diff']:.2e} "
+              f"(> --loss-rtol {args.loss_rtol}): the two are not doing the same math", file=sys.stderr)
+    if bad_loss:
+        return 1
+    missed = [r for r in results if r["ratio"] > TARGET_RATIO]
+    for r in missed:
+        print(f"TARGET MISSED: {r['model']}: ours / torch = {r['ratio']:.3f}x > {TARGET_RATIO}x", file=sys.stderr)
+    return 2 if missed and not args.no_check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""Performance: measure (probe), predict and choose (cost_model), and look (timeline).
+
+* `cost_model`: pure. `choose_plan(Machine, Workload) -> Plan` (bucket size, device-resident
+  buckets, cast location, speculation, predicted step time); `predict(...)` for one layout.
+* `probe`: measures a machine through the device seam and the host Adam back end, and a recipe's
+  model; `superoffload probe` prints the plan the cost model derives.
+* `timeline`: `Timeline` records spans and instants of chosen steps and writes a Chrome trace and
+  a PNG.
+"""

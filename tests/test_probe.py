@@ -1,0 +1,42 @@
+"""`superoffload probe` on the CPU as the device: every measurement is there and positive, the
+recipe's model is measured, the plan is printed, and the JSON holds the same."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from superoffload_hf.cli import main
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_llama_cpu.yaml"
+
+
+@pytest.mark.timeout(240)
+def test_probe_measures_the_machine_and_prints_the_plan_for_a_recipe(tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    assert main(["probe", "--quick", "--recipe", str(RECIPE), "--json", str(out),
+                 "--threads", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "superoffload probe: device cpu" in text and "plan: bucket" in text and "predicted step" in text
+    report = json.loads(out.read_text())
+    assert set(report["copies"]) == {"h2d_pinned", "d2h_pinned", "h2d_pageable", "d2h_pageable"}
+    assert all(gbps > 0 for table in report["copies"].values() for gbps in table.values())
+    assert set(report["host_adam_rate"]) == set(report["host_adam_rate_busy"]) == {"1", "2"}
+    assert all(r > 0 for r in report["host_adam_rate"].values())
+    assert report["device_adam_rate"] > 0 and report["device_free_bytes"] > 0
+    workload = report["workload"]
+    assert 1.2e6 < workload["num_params"] < 1.5e6  # the recipe's 1.3M-parameter Llama
+    assert workload["tokens_per_step"] == 8 * 128
+    assert workload["forward_s"] > 0 and workload["backward_s"] > 0
+    fractions = [x for x, _ in workload["ready_profile"]]
+    assert fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
+    plan = report["plan"]
+    assert plan["device_buckets"] == 0 and plan["cast"] == "device"  # the CPU is the device
+    assert plan["prediction"]["step_s"] >= workload["forward_s"] + workload["backward_s"]
+
+
+def test_probe_with_a_missing_recipe_fails_with_the_path(tmp_path, capsys):
+    assert main(["probe", "--quick", "--recipe", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
