@@ -79,6 +79,11 @@ def test_shipped_accelerate_configs_carry_valid_superoffload_blocks():
         assert plan.superoffload and "superoffload" not in plan.accelerate_config
 
 
+def test_launch_environment_makes_torchs_openmp_workers_wait_passively_unless_the_user_chose():
+    assert launcher.launch_environment({}, {})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert launcher.launch_environment({"OMP_WAIT_POLICY": "ACTIVE"}, {})["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 def test_launch_environment_carries_the_block_and_puts_the_site_dir_first():
     env = launcher.launch_environment({"PYTHONPATH": "/elsewhere", "HOME": "/h"}, {"speculation": "off"})
     assert json.loads(env[autopatch.CONFIG_ENV_VAR]) == {"speculation": "off"}

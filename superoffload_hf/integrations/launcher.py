@@ -91,6 +91,10 @@ def accelerate_command(plan: LaunchPlan, tmp_dir: str) -> list[str]:
 def launch_environment(environ: dict[str, str], block: dict[str, Any]) -> dict[str, str]:
     env = dict(environ)
     env[CONFIG_ENV_VAR] = json.dumps(block)
+    # torch's OpenMP workers spin for milliseconds after each parallel region and take the cores
+    # the host Adam needs (measured: 84% of its isolated speed right after a torch op, 100% with
+    # a passive wait policy). Read once, when libgomp loads: only a launcher can set it in time.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), environ.get("PYTHONPATH")) if p)
     return env
 
