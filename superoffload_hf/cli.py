@@ -22,7 +22,7 @@ from superoffload_hf.engine.checkpoint import CorruptStateError
 from superoffload_hf.integrations.resume import ResumeError
 from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeError, TokenizerSpec, load_recipe
 
-USAGE = """usage: superoffload train RECIPE.yaml [--dry-run] [--section.key value ...]
+USAGE = """usage: superoffload train RECIPE.yaml [--dry-run] [--timeline DIR] [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
        superoffload probe [--json FILE] [--recipe R.yaml]
 
@@ -55,6 +55,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
 
 
+def timeline_overrides(tokens: list[str]) -> list[str]:
+    """`--timeline DIR` (or `--timeline=DIR`) is `--superoffload.timeline_dir DIR`: write the step
+    timeline (trace.json, timeline.png) of steps `superoffload.timeline_steps` to DIR."""
+    out, i = [], 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--timeline" or token.startswith("--timeline="):
+            if token == "--timeline":
+                if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                    raise ValueError("`--timeline` needs a directory, e.g. `--timeline out/timeline`.")
+                value, i = tokens[i + 1], i + 2
+            else:
+                value, i = token.split("=", 1)[1], i + 1
+            out += ["--superoffload.timeline_dir", value]
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def train_command(argv: Sequence[str]) -> int:
     """`superoffload train RECIPE.yaml [--dry-run] [overrides]`: 0 on success, 2 on a bad recipe."""
     if argv[:1] in (["-h"], ["--help"]):
@@ -64,7 +84,11 @@ def train_command(argv: Sequence[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     dry_run = "--dry-run" in argv[1:]
-    overrides = [token for token in argv[1:] if token != "--dry-run"]
+    try:
+        overrides = timeline_overrides([token for token in argv[1:] if token != "--dry-run"])
+    except ValueError as exc:
+        print(f"superoffload train: error: {exc}", file=sys.stderr)
+        return 2
     try:
         recipe = load_recipe(argv[0], overrides)
         for warning in recipe.warnings:

@@ -11,7 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 AUTO = "auto"
 
@@ -83,6 +83,14 @@ class SuperOffloadConfig:
     it has received its gradients this many times. Under Accelerate and the HF Trainer the
     integration reads the accumulation boundary from Accelerate's gradient state instead."""
 
+    timeline_dir: Optional[str] = None
+    """Write a step timeline of `timeline_steps` to this directory: trace.json (Chrome trace
+    format: open it in Perfetto or chrome://tracing) and timeline.png (needs matplotlib: the
+    `timeline` extra). Written when the optimizer closes or the Trainer ends. None: off."""
+
+    timeline_steps: tuple = (2, 3)
+    """The optimizer steps (1-based `step()` calls) the timeline records."""
+
     speculation_window: int = 20
     """Number of recent steps the "auto" speculation policy looks at."""
 
@@ -116,6 +124,15 @@ class SuperOffloadConfig:
             )
         _check_choice("host_kernel", self.host_kernel, HOST_KERNEL_CHOICES)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
+        if self.timeline_dir is not None and not isinstance(self.timeline_dir, str):
+            raise ConfigError(f"`timeline_dir` is {self.timeline_dir!r}; expected a directory path (a string) or null.")
+        steps = self.timeline_steps
+        if isinstance(steps, list):
+            object.__setattr__(self, "timeline_steps", tuple(steps))
+            steps = self.timeline_steps
+        if not isinstance(steps, tuple) or not steps or not all(_is_int(s) and s >= 1 for s in steps):
+            raise ConfigError(f"`timeline_steps` is {steps!r}; expected a non-empty list of step numbers >= 1, "
+                              "e.g. [2, 3].")
         _check_int("speculation_window", self.speculation_window, minimum=1)
         _check_number("speculation_max_rollback_rate", self.speculation_max_rollback_rate, 0.0, 1.0)
         _check_number("loss_scale_init", self.loss_scale_init, 0.0, float("inf"), open_low=True)

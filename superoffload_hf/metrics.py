@@ -32,9 +32,15 @@ class OffloadCounters:
     bytes_h2d: int = 0
     """Parameter bytes moved from the host to the device."""
     device_wait_seconds: float = 0.0
-    """Wall time the training thread was blocked waiting for host work (bucket norms at
-    step(), updated buckets before a forward, a busy bucket's buffers). On CUDA this is
-    the time the device could not be fed new work because of the host."""
+    """Seconds the device sat idle waiting for the host: on an accelerator, the time the compute
+    stream stalled at the next forward's per-bucket waits for copy-backs, measured with timing
+    events recorded just before and after each wait (read later, never blocking); on the
+    synchronous CPU device, where the training thread is the device, every second it blocked on
+    the host worker."""
+    thread_wait_seconds: float = 0.0
+    """Seconds the training thread blocked on the host worker (bucket norms at step(), a busy
+    bucket before its next gradients). On an accelerator this includes waiting for gradient
+    copies, i.e. for the device to finish backward: it is not device idle time."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -146,6 +146,12 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         """Wait until every host update has reached the device parameters."""
         self._engine.synchronize()
 
+    def write_timeline(self) -> dict:
+        """Write the step timeline now, if the config asks for one (`timeline_dir`): trace.json
+        and timeline.png there. Also done by close() and, under the Trainer, at the end of
+        training. Returns the paths written ({} when no timeline is recorded)."""
+        return self._engine.write_timeline()
+
     def close(self) -> None:
         """Stop the host worker and remove the hooks (also done on garbage collection)."""
         self._finalizer()

@@ -3,6 +3,7 @@ resume), argument handling, bad inputs, and `launch` forwarding."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -42,7 +43,8 @@ def safetensors_of(checkpoint: Path) -> dict[str, torch.Tensor]:
 def three_step_run(tmp_path_factory):
     """The tiny recipe for 3 steps through the real entry point; returns (output_dir, process)."""
     out = tmp_path_factory.mktemp("tiny") / "out"
-    proc = run_cli("train", TINY, "--training.max_steps", "3", "--training.output_dir", str(out), *FAST)
+    proc = run_cli("train", TINY, "--training.max_steps", "3", "--training.output_dir", str(out),
+                   "--timeline", str(out.parent / "timeline"), *FAST)
     return out, proc
 
 
@@ -65,6 +67,21 @@ def test_train_runs_the_tiny_recipe_and_prints_the_summary(three_step_run):
     assert re.search(r"rollbacks\s+\d+\n", summary), summary
     assert re.search(r"skipped steps\s+0\n", summary), summary
     assert f"checkpoint     {out / 'checkpoint-3'}" in summary
+
+
+def test_train_with_timeline_writes_the_trace_and_the_picture_of_steps_2_and_3(three_step_run):
+    out, proc = three_step_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = json.loads((out.parent / "timeline" / "trace.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e.get("ph") == "X" and re.fullmatch(r"step \d+", e["name"])} == {"step 2", "step 3"}
+    assert any(e.get("ph") == "X" and e["name"].startswith(("step b", "speculative step b")) for e in events)
+    pytest.importorskip("matplotlib")
+    assert (out.parent / "timeline" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timeline_flag_needs_a_directory(capsys):
+    assert main(["train", TINY, "--timeline"]) == 2
+    assert "`--timeline` needs a directory" in capsys.readouterr().err
 
 
 def test_train_prints_what_it_built_before_training(three_step_run):

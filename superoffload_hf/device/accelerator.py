@@ -67,8 +67,8 @@ class AcceleratorRuntime:
     def new_stream(self) -> torch.Stream:
         return torch.Stream(device=self.device)
 
-    def new_event(self) -> torch.Event:
-        return torch.Event(device=self.device)
+    def new_event(self, timing: bool = False) -> torch.Event:
+        return torch.Event(device=self.device, enable_timing=timing)
 
     @contextlib.contextmanager
     def on_stream(self, stream: torch.Stream) -> Iterator[None]:

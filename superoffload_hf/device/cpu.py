@@ -36,7 +36,7 @@ class CpuRuntime:
     def new_stream(self) -> NullStream:
         return self._stream
 
-    def new_event(self) -> NullEvent:
+    def new_event(self, timing: bool = False) -> NullEvent:
         return NullEvent()
 
     def on_stream(self, stream):

@@ -19,7 +19,8 @@ A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
     adopt(params)                  the parameters the engine manages live on this device
     current_stream() -> Stream     this thread's current stream
     new_stream() -> Stream
-    new_event() -> Event           event.record(stream) / .synchronize() / .query()
+    new_event(timing=False) -> Event  event.record(stream) / .synchronize() / .query() /
+                                   .elapsed_time(end) in ms (0.0 where the runtime has no clock)
     on_stream(stream)              context: this thread's current stream, restored on exit
     thread_device()                context: this thread's current device is ours (worker threads)
     copy_(dst, src)                a non_blocking copy, queued on the current stream
@@ -47,6 +48,9 @@ class NullEvent:
 
     def query(self) -> bool:
         return True
+
+    def elapsed_time(self, end) -> float:
+        return 0.0
 
 
 class NullStream:

@@ -14,6 +14,7 @@ gradient buffer. The round that completes the last micro-batch launches the buck
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable, Optional
 
 import torch
@@ -106,11 +107,12 @@ class Collector:
         flat = rt.take_round()
         fp32_direct = first and flat.dtype == torch.float32
         landed = rt.bufs.grad if fp32_direct else rt.bufs.recv_buffer(flat.dtype)
+        issued = time.perf_counter()
         event = self.transfer.grad_to_host(flat, landed)
         self.counters.bytes_d2h += flat.numel() * flat.element_size()
         rt.staged = True
         keep = first and launch  # this round is the step's whole gradient: no upcast
-        jobs = [functools.partial(self.jobs.receive, rt, landed, event, first, keep)]
+        jobs = [functools.partial(self.jobs.receive, rt, landed, event, first, keep, issued)]
         if launch:
             self._mark_launched(rt)
             jobs.append(functools.partial(self.jobs.launch, rt, spec, self.step.budget))

@@ -35,7 +35,7 @@ class Committer:
             parts.update(zip((rt.bucket.index for rt in on_device), sums.tolist()))  # one host sync
         for rt in self.buckets.host():
             if rt.staged:
-                self.waiter.wait(rt.norm_ready)
+                self.waiter.wait(rt.norm_ready, f"norm of bucket {rt.bucket.index}")
                 parts[rt.bucket.index] = rt.sumsq
         return sum(parts[i] for i in sorted(parts))  # float64, in bucket order: deterministic
 

@@ -34,6 +34,7 @@ from superoffload_hf.engine.jobs import HostJobs
 from superoffload_hf.engine.layout import FireLog, LayoutBuilder
 from superoffload_hf.engine.lifecycle import BucketState
 from superoffload_hf.engine.loss_scale import make_loss_scale
+from superoffload_hf.engine.observe import StepObserver
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
@@ -84,7 +85,9 @@ class Engine:
             threads = auto_host_threads(cores)
             self.host_threads_note = f"auto: {threads} of {cores} cores, one left for the training thread"
         self.adam = get_host_adam(config.host_kernel, threads=threads)
-        self.jobs = HostJobs(self.adam, self.transfer, adamw, config.rollback == "snapshot", counters)
+        self.observer = StepObserver(self.runtime, counters, config.timeline_dir, config.timeline_steps)
+        self.jobs = HostJobs(self.adam, self.transfer, adamw, config.rollback == "snapshot", counters,
+                             self.observer.timeline)
         self.policy = SpeculationPolicy(config.speculation, config.speculation_window,
                                         config.speculation_max_rollback_rate)
         self.loss_scale = make_loss_scale(config)
@@ -99,7 +102,7 @@ class Engine:
         self._host_seconds_before_learning = counters.host_step_seconds
         self.learned: Optional[dict] = None  # the learned plan's inputs, for checkpoints
         self.worker = HostWorker()
-        self.waiter = Waiter(self.buckets, self.worker, self.transfer, counters, self._reopen)
+        self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, self._reopen)
         self.collector = Collector(self)
         self.committer = Committer(self)
         self.step_returns_early = self.transfer.is_async  # CPU: step() finishes all host work
@@ -137,7 +140,11 @@ class Engine:
     # ---- the hooks' entry points ----------------------------------------------------------
 
     def on_grad_accumulated(self, p: torch.Tensor) -> None:
+        self.observer.open_step()
         self.collector.on_grad_accumulated(p)
+
+    def on_forward(self) -> None:
+        self.observer.open_step()
 
     def wait_for_module(self, module: torch.nn.Module) -> None:
         self.waiter.wait_for_module(module)
@@ -149,12 +156,14 @@ class Engine:
         if not self.has_pending_gradients() and not any(p.requires_grad and p.grad is not None
                                                         for p in self.unhooked):
             return EMPTY_STEP  # torch semantics: no gradient, no update; no step counted, no loss-scale growth
+        started = self.observer.step_begins()
         self.transfer.fence()  # this step's copy-backs wait for kernels queued before step()
         self.collector.adopt_unhooked_grads()
         self.collector.finish()
         decision = decide(self.committer.global_sum_squares(), self.loss_scale.scale, max_grad_norm)
         self.committer.apply(decision)
         self.committer.account(decision)
+        self.observer.step_ends(started, decision, self.step_state)
         for rt in self.runtimes:
             if rt.state is BucketState.VALIDATED:
                 rt.move(BucketState.RETURNING)
@@ -234,10 +243,16 @@ class Engine:
             rt.reset()
         self.step_state.reset()
 
+    def write_timeline(self) -> dict:
+        """Write the step timeline now (config `timeline_dir`); the paths written."""
+        self.synchronize()
+        return self.observer.close()
+
     def close(self) -> None:
         remove_handles(self.handles)
         try:
             if self.worker.failure is None:
                 self.synchronize()
+                self.observer.close()
         finally:
             self.worker.stop()

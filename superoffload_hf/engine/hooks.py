@@ -94,6 +94,8 @@ def register_forward_wait(engine, handles: list) -> None:
         e = engine_ref()
         if e is None:
             return None
+        if not e.observer.open:
+            e.on_forward()
         if module not in watched:
             watched.add(module)
             if any(id(p) in owned for p in module.parameters(recurse=False)):

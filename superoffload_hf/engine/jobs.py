@@ -21,28 +21,42 @@ import torch
 from superoffload_hf.engine import stepper
 from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
 from superoffload_hf.engine.stepper import StepCall
+from superoffload_hf.perf.timeline import D2H, H2D, HOST_ADAM, Timeline
 
 
 class HostJobs:
-    def __init__(self, adam, transfer, adamw: bool, snapshot: bool, counters):
+    def __init__(self, adam, transfer, adamw: bool, snapshot: bool, counters, timeline: Timeline = None):
         self.adam = adam
         self.transfer = transfer
         self.adamw = adamw
         self.snapshot = snapshot
         self.counters = counters
+        self.timeline = timeline if timeline is not None else Timeline.disabled()
 
-    def receive(self, rt: BucketRuntime, landed: torch.Tensor, event, first: bool, keep: bool) -> None:
-        """`keep`: this round is the whole step's gradient; step from `landed` as it is."""
+    def _host(self, rt: BucketRuntime, what: str, start: float, **args) -> float:
+        """Account host time since `start` (and show it on the timeline); returns now."""
+        end = time.perf_counter()
+        self.counters.host_step_seconds += end - start
+        self.timeline.span(HOST_ADAM, f"{what} b{rt.bucket.index}", start, end, bucket=rt.bucket.index, **args)
+        return end
+
+    def receive(self, rt: BucketRuntime, landed: torch.Tensor, event, first: bool, keep: bool,
+                issued: float = 0.0) -> None:
+        """`keep`: this round is the whole step's gradient; step from `landed` as it is.
+        `issued`: when the training thread queued the copy (for the timeline)."""
         self.transfer.wait_host(event)  # the gradient copy into `landed` has finished
         start = time.perf_counter()
+        self.timeline.span(D2H, f"grad b{rt.bucket.index}", issued or start, start, bucket=rt.bucket.index,
+                           bytes=landed.numel() * landed.element_size(), clock="host (issue to seen landed)")
         if landed is rt.bufs.grad or keep:
             rt.grad_in = landed
-        elif first:
+            return
+        if first:
             self.adam.grad_copy_(rt.bufs.grad, landed)
             rt.grad_in = rt.bufs.grad
         else:
             self.adam.grad_accumulate_(rt.bufs.grad, landed)  # fp32 accumulation over micro-batches
-        self.counters.host_step_seconds += time.perf_counter() - start
+        self._host(rt, "upcast" if first else "accumulate", start)
 
     def hold_in_fp32(self, rt: BucketRuntime) -> None:
         """A kept round must be accumulated after all (its bucket was re-opened): upcast it
@@ -60,17 +74,17 @@ class HostJobs:
         rt.spec = spec if speculate else None
         rt.move(BucketState.SPECULATED if speculate else BucketState.STAGED)
         rt.norm_ready.set()  # step() may decide now; anything it queues runs after this job
-        self.counters.host_step_seconds += time.perf_counter() - start
+        self._host(rt, "norm", start)
         if speculate:  # never step a bucket whose own gradient is not finite
-            self.step(rt, spec, snapshot=self.snapshot)
+            self.step(rt, spec, snapshot=self.snapshot, speculative=True)
 
-    def step(self, rt: BucketRuntime, call: StepCall, snapshot: bool = False) -> None:
+    def step(self, rt: BucketRuntime, call: StepCall, snapshot: bool = False, speculative: bool = False) -> None:
         self.transfer.wait_host_before_write(rt.h2d_event)  # the last copy-back still reads master/lowp
         start = time.perf_counter()
         if snapshot:
             rt.bufs.take_snapshot()
         stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
-        self.counters.host_step_seconds += time.perf_counter() - start
+        self._host(rt, "speculative step" if speculative else "step", start, speculative=speculative)
         self.copy_back(rt, call)
 
     def rollback(self, rt: BucketRuntime, call: StepCall, redo: Optional[StepCall] = None) -> None:
@@ -83,12 +97,17 @@ class HostJobs:
             stepper.apply(self.adam.adam_rollback_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
         if redo is not None:
             stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, redo, self.adamw, rt.bufs.lowp)
-        self.counters.host_step_seconds += time.perf_counter() - start
+        self._host(rt, "rollback + replay" if redo is not None else "rollback", start, rollback=True,
+                   replay=redo is not None)
         self.copy_back(rt, redo or call)
 
     def copy_back(self, rt: BucketRuntime, call: StepCall) -> None:
         ks = stepper.run_slots(call)
         src = rt.bufs.lowp if rt.bufs.lowp is not None else rt.bufs.master
+        start = time.perf_counter()
         rt.h2d_event = self.transfer.params_to_device(
             src, [rt.params[k] for k in ks], [rt.bucket.slots[k].offset for k in ks])
-        self.counters.bytes_h2d += sum(rt.bucket.slots[k].numel for k in ks) * src.element_size()
+        moved = sum(rt.bucket.slots[k].numel for k in ks) * src.element_size()
+        self.counters.bytes_h2d += moved
+        self.timeline.span(H2D, f"params b{rt.bucket.index}", start, time.perf_counter(), bucket=rt.bucket.index,
+                           bytes=moved, clock="host (issue)")

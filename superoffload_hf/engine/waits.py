@@ -11,24 +11,27 @@ from __future__ import annotations
 
 from typing import Callable
 
+import time
+
 import torch
 
 from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
 
 
 class Waiter:
-    def __init__(self, buckets, worker, transfer, counters, reopen: Callable[[BucketRuntime], None]):
-        self.buckets, self.worker, self.transfer, self.counters = buckets, worker, transfer, counters
+    def __init__(self, buckets, worker, transfer, observer, reopen: Callable[[BucketRuntime], None]):
+        self.buckets, self.worker, self.transfer, self.observer = buckets, worker, transfer, observer
         self.reopen = reopen
         self.inflight: set[BucketRuntime] = set()
 
-    def wait(self, event) -> None:
+    def wait(self, event, why: str = "host work") -> None:
         if not event.is_set():
-            self.counters.device_wait_seconds += self.worker.wait(event)
+            start = time.perf_counter()
+            self.observer.thread_waited(why, start, self.worker.wait(event))
         self.worker.raise_if_failed()
 
     def wait_idle(self, rt: BucketRuntime) -> None:
-        self.wait(rt.pending.idle)
+        self.wait(rt.pending.idle, f"bucket {rt.bucket.index} busy")
 
     def wait_for_module(self, module: torch.nn.Module) -> None:
         """Before `module` runs forward: its parameters' buckets must be updated on the device.
@@ -44,7 +47,8 @@ class Waiter:
         if rt.launched:
             self.reopen(rt)
         self.wait_idle(rt)
-        self.transfer.wait_device(rt.h2d_event)  # queued on the compute stream, not blocking
+        # queued on the compute stream, not blocking; timed with events (device idle)
+        self.observer.around_device_wait(lambda: self.transfer.wait_device(rt.h2d_event))
         self.inflight.discard(rt)
         if rt.state is BucketState.RETURNING:
             rt.move(BucketState.IDLE)

@@ -38,9 +38,13 @@ class SuperOffloadCallback(TrainerCallback):
     Logged keys (training log records only), with N the `step()` calls since the last log:
     `superoffload/rollbacks`, `/replays`, `/skips`, `/speculative_steps`: totals since the start;
     `superoffload/host_step_s`: host Adam seconds per step, mean over the last N steps;
-    `superoffload/device_wait_s`: seconds per step the device waited for the host, same mean;
+    `superoffload/device_wait_s`: seconds per step the device sat idle waiting for the host, same
+    mean (on an accelerator measured with device events around the next forward's per-bucket
+    waits; see OffloadCounters.device_wait_seconds);
+    `superoffload/thread_wait_s`: seconds per step the training thread blocked on the host worker
+    (includes waiting for the device's own backward to deliver gradients), same mean;
     `superoffload/overlap`: 1 - device_wait / host_step over the last N steps, clamped to [0, 1]
-    (1.0: the host steps were fully hidden behind backward; absent while host_step is 0);
+    (1.0: the host steps were fully hidden behind the device's work; absent while host_step is 0);
     `superoffload/loss_scale`: the fp16 loss scale (fp16 only).
     """
 
@@ -74,6 +78,9 @@ class SuperOffloadCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, optimizer=None, **kwargs):
         _synchronize(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
+        if optimizer is not None:
+            optimizer.write_timeline()  # config `timeline_dir` (superoffload train --timeline DIR)
 
     # ---- counters ----------------------------------------------------------------------------
 
@@ -103,6 +110,7 @@ class SuperOffloadCallback(TrainerCallback):
         values = {LOG_PREFIX + name: now[name] for name in ("rollbacks", "replays", "skips", "speculative_steps")}
         values[LOG_PREFIX + "host_step_s"] = host_s
         values[LOG_PREFIX + "device_wait_s"] = wait_s
+        values[LOG_PREFIX + "thread_wait_s"] = (now["thread_wait_seconds"] - last.get("thread_wait_seconds", 0.0)) / steps
         if host_s > 0.0:
             values[LOG_PREFIX + "overlap"] = min(max(1.0 - wait_s / host_s, 0.0), 1.0)
         if float(optimizer.loss_scale) != 1.0:

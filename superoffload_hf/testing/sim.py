@@ -146,6 +146,10 @@ class SimEvent:
     def query(self) -> bool:
         return self._sim._event_query(self)
 
+    def elapsed_time(self, end: "SimEvent") -> float:
+        """Simulated time does not pass: 0 ms."""
+        return 0.0
+
 
 class SimStream:
     def __init__(self, sim: "SimRuntime", number: int):
@@ -295,7 +299,7 @@ class SimRuntime:
             self._streams.append(stream)
             return stream
 
-    def new_event(self) -> SimEvent:
+    def new_event(self, timing: bool = False) -> SimEvent:
         return SimEvent(self)
 
     @contextlib.contextmanager

@@ -1,0 +1,144 @@
+"""The engine's step timeline and its honest device-idle metric.
+
+The timeline: a run with `timeline_dir` writes a Chrome trace holding, for the chosen steps, one
+track each for device compute, device-to-host copies, host Adam, host-to-device copies and
+validation, an event per bucket, and rollbacks / replays marked; and a PNG.
+Device idle: measured with timing events around each per-bucket wait of a forward, read later
+without blocking; on the CPU device (where the training thread is the device) every blocking
+wait is device idle.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from superoffload_hf import SuperOffloadAdamW
+from superoffload_hf.engine.observe import StepObserver
+from superoffload_hf.metrics import OffloadCounters
+
+from _models import RelativeMaxNorm, engine_config, micro_batches, tiny_llama
+
+pytestmark = [pytest.mark.usefixtures("device_mode"), pytest.mark.timeout(120)]
+
+
+def _train(tmp_path, steps=4, **config):
+    model, ref = tiny_llama(num_layers=2), tiny_llama(num_layers=2)
+    opt = SuperOffloadAdamW(model.parameters(), lr=1e-2, config=engine_config(
+        speculation="on", timeline_dir=str(tmp_path / "tl"), timeline_steps=[2, 3], **config))
+    with opt:
+        for step in range(steps):
+            (batch,) = micro_batches(step)
+            ref.zero_grad()
+            ref(**batch).loss.backward()
+            norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+            opt.max_grad_norm = RelativeMaxNorm(0.9).resolve(norm) if step == 2 else None  # step 3 clips
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                ref.load_state_dict(model.state_dict())
+    return opt, tmp_path / "tl"
+
+
+def test_a_timeline_run_writes_every_track_per_bucket_with_rollbacks_marked(tmp_path):
+    opt, directory = _train(tmp_path)
+    trace = json.loads((directory / "trace.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    assert {"device compute", "device-to-host", "host Adam", "host-to-device", "validation"} <= names
+    tid_of = {e["args"]["name"]: e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    steps = {e["name"] for e in spans if e["tid"] == tid_of["step"]}
+    assert steps == {"step 2", "step 3"}
+    buckets = {b.bucket.index for b in opt._engine.runtimes if not b.bucket.device_resident}
+    host_adam = [e for e in spans if e["tid"] == tid_of["host Adam"]]
+    assert {e["args"]["bucket"] for e in host_adam} == buckets  # an event per bucket
+    assert {e["args"]["bucket"] for e in spans if e["tid"] == tid_of["device-to-host"]} == buckets
+    assert {e["args"]["bucket"] for e in spans if e["tid"] == tid_of["host-to-device"]} == buckets
+    assert any(e["name"].startswith("speculative step") for e in host_adam)
+    instants = {e["name"] for e in events if e.get("ph") == "i"}
+    assert {"rollback", "replay", "commit"} <= instants  # step 3 was clipped: rolled back, replayed
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    png = directory / "timeline.png"
+    pytest.importorskip("matplotlib")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_without_a_timeline_dir_nothing_is_written(tmp_path):
+    model = tiny_llama(num_layers=2)
+    with SuperOffloadAdamW(model.parameters(), lr=1e-2, config=engine_config()) as opt:
+        model(**micro_batches(0)[0]).loss.backward()
+        opt.step()
+        assert opt.write_timeline() == {}
+    assert not any(tmp_path.iterdir())
+
+
+class _TimedEvent:
+    def __init__(self, log):
+        self.log, self.done = log, False
+
+    def record(self, stream=None):
+        self.log.append(self)
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        return 5.0 if end.done else float("nan")
+
+
+class _AsyncRuntime:
+    is_async = True
+
+    def __init__(self):
+        self.recorded = []
+
+    def current_stream(self):
+        return None
+
+    def new_event(self, timing=False):
+        assert timing
+        return _TimedEvent(self.recorded)
+
+
+class _Decision:
+    kind, grad_norm, clip_coef = "commit", 1.0, 1.0
+
+
+class _Flags:
+    rolled_back = replayed = False
+
+
+def test_device_idle_is_read_from_events_around_each_wait_once_they_completed():
+    runtime, counters = _AsyncRuntime(), OffloadCounters()
+    observer = StepObserver(runtime, counters)
+    waited = []
+    observer.around_device_wait(lambda: waited.append(len(runtime.recorded)))
+    assert waited == [1] and len(runtime.recorded) == 2  # before the wait, the wait, after it
+    observer.thread_waited("norm", 0.0, 0.25)  # a blocking wait of the training thread:
+    assert counters.thread_wait_seconds == 0.25 and counters.device_wait_seconds == 0.0  # not device idle
+    started = observer.step_begins()
+    observer.step_ends(started, _Decision(), _Flags())
+    assert counters.device_wait_seconds == 0.0  # not complete yet: carried over, never waited for
+    for event in runtime.recorded:
+        event.done = True
+    started = observer.step_begins()
+    observer.step_ends(started, _Decision(), _Flags())
+    assert counters.device_wait_seconds == pytest.approx(0.005)
+
+
+def test_on_the_cpu_device_every_blocking_wait_is_device_idle(device_mode):
+    model = tiny_llama(num_layers=2)
+    with SuperOffloadAdamW(model.parameters(), lr=1e-2, config=engine_config(speculation="off")) as opt:
+        for step in range(3):
+            model(**micro_batches(step)[0]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        c = opt.counters
+        if device_mode == "cpu":
+            assert c.device_wait_seconds == c.thread_wait_seconds
+        else:  # simulated time does not pass on the simulated device's events
+            assert c.device_wait_seconds == 0.0
