@@ -9,7 +9,7 @@ import pytest
 
 from superoffload_hf.perf.cost_model import (
     Bandwidth, Machine, Workload, bucket_sizes, candidate_bucket_numels, choose_plan, expected_step_s,
-    host_bytes_per_element, predict,
+    TIE_TOLERANCE, host_bytes_per_element, predict,
 )
 
 KB, MB, GIB = 2**10, 2**20, 2**30
@@ -40,10 +40,12 @@ LLAMA_1B = Workload(num_params=1_000_000_000, forward_s=0.08, backward_s=0.16, t
 TINY = Workload(num_params=1_300_000, forward_s=0.03, backward_s=0.055, tokens_per_step=1024)
 
 
-def test_gh200_casts_on_the_device_and_speculates():
+def test_gh200_casts_on_the_host_because_the_kernel_fuses_the_cast_and_hides_the_host():
+    # The paper's GH200 casts on the device because its CPU cast is a separate pass; ours is fused
+    # into the Adam pass and the kernel reads the bf16 gradient as it landed, so "host" moves fewer
+    # bytes over host memory (34 vs 40 B/element) and over the link, whatever the link.
     plan = choose_plan(GH200, LLAMA_1B)
-    assert plan.cast == "device"
-    assert plan.speculate
+    assert plan.cast == "host"
     assert plan.prediction.device_idle_fraction < 0.05
 
 
@@ -101,7 +103,8 @@ def test_step_time_is_monotone_in_bandwidths_and_backward(machine):
     assert predict(slower_host, work, **layout).step_s >= t
     assert predict(machine, longer_backward, **layout).step_s >= t
     # and the best plan never gets faster when the machine gets slower
-    assert choose_plan(slower_host, work).prediction.step_s >= base.prediction.step_s * 0.999
+    # (up to the tie tolerance: among plans within it, the simpler one is chosen)
+    assert choose_plan(slower_host, work).prediction.step_s >= base.prediction.step_s * (1 - TIE_TOLERANCE)
 
 
 def test_speculation_never_predicts_slower_without_rollbacks():
@@ -120,8 +123,8 @@ def test_exposed_time_vanishes_when_every_bucket_is_on_the_device():
     assert p.device_adam_s == pytest.approx(LLAMA_1B.num_params / H200_PCIE.device_adam_rate)
 
 
-def test_host_cast_moves_more_host_bytes_and_fewer_link_bytes():
-    assert host_bytes_per_element("host", 2) > host_bytes_per_element("device", 2)
+def test_host_cast_moves_fewer_host_bytes_and_fewer_link_bytes():
+    assert host_bytes_per_element("host", 2) == 34 < host_bytes_per_element("device", 2) == 40
 
 
 def test_ready_profile_interpolates_and_late_gradients_cost_more():

@@ -142,3 +142,52 @@ def test_on_the_cpu_device_every_blocking_wait_is_device_idle(device_mode):
             assert c.device_wait_seconds == c.thread_wait_seconds
         else:  # simulated time does not pass on the simulated device's events
             assert c.device_wait_seconds == 0.0
+
+
+# ---- the cost model in the engine ---------------------------------------------------------------
+
+
+def test_after_the_first_step_the_predicted_step_time_is_reported_beside_the_measured_one():
+    model = tiny_llama(num_layers=2)
+    with SuperOffloadAdamW(model.parameters(), lr=1e-2, config=engine_config()) as opt:
+        for step in range(3):
+            model(**micro_batches(step)[0]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        c = opt.counters
+        assert c.predicted_step_seconds > 0 and c.step_seconds > 0
+
+
+def test_the_workload_is_read_from_the_first_steps_gradient_hooks():
+    from superoffload_hf.engine.autoplan import measured_workload
+    from superoffload_hf.engine.layout import FireLog
+
+    log = FireLog(3)
+    log.order, log.counts = [2, 1, 0], [1, 1, 1]
+    log.first_fired = {2: 10.0, 1: 10.5, 0: 11.0}
+    log.first_time, log.last_time = 10.0, 11.0
+    work = measured_workload(log, numels=[100, 300, 600], step_seconds=3.0, rollback_rate=0.1)
+    assert (work.num_params, work.backward_s, work.forward_s) == (1000, 1.0, 2.0)
+    assert work.ready_profile == ((0.6, 0.0), (0.9, 0.5), (1.0, 1.0))
+
+
+def test_the_cost_models_choice_sets_the_auto_layout_within_the_device_memory_of_the_real_buckets():
+    from types import SimpleNamespace
+
+    from superoffload_hf import SuperOffloadConfig
+    from superoffload_hf.engine.layout import FireLog, LayoutBuilder, device_bucket_bytes
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (4000, 1000, 1000, 1000, 1000)]
+    layout = LayoutBuilder(params, [{"params": params, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+                                     "weight_decay": 0.0}], SuperOffloadConfig(bucket_size_mb="auto"))
+    log = FireLog(5)
+    for index in (4, 3, 2, 1, 0):  # backward order: the big first parameter arrives last
+        log.record(index)
+    choice = SimpleNamespace(bucket_numel=1000, device_buckets=2)
+    plan = layout.learned_plan(log, choice, free_device_bytes=4 * 10**9)
+    assert plan.bucket_numel == 1000 and plan.num_device_buckets == 2
+    assert plan.buckets[-1].numel == 4000  # the last bucket in gradient order holds the big one
+    budget = device_bucket_bytes(4000) + device_bucket_bytes(1000) // 2  # room for the big one only
+    plan = layout.learned_plan(log, choice, free_device_bytes=4 * budget)
+    assert plan.num_device_buckets == 1
+    assert layout.learned_plan(log, None, free_device_bytes=4 * 10**9).num_device_buckets == 0

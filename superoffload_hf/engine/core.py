@@ -26,6 +26,7 @@ import torch
 from superoffload_hf.config import SuperOffloadConfig
 from superoffload_hf.device import make_runtime
 from superoffload_hf.device.transfer import Transfer
+from superoffload_hf.engine.autoplan import measured_machine, measured_workload
 from superoffload_hf.engine.buckets import BucketSet
 from superoffload_hf.engine.collect import Collector
 from superoffload_hf.engine.commit import Committer
@@ -41,6 +42,7 @@ from superoffload_hf.engine.waits import Waiter
 from superoffload_hf.engine.worker import HostWorker
 from superoffload_hf.host.kernel import default_threads, get_host_adam
 from superoffload_hf.metrics import OffloadCounters
+from superoffload_hf.perf.cost_model import BUCKET_SIZES_MB, choose_plan, predict
 
 logger = logging.getLogger("superoffload_hf")
 
@@ -187,11 +189,29 @@ class Engine:
         self.buckets.replan(plan)
 
     def _learn(self) -> None:
-        """After the first step: re-plan from the order the hooks fired in."""
+        """After the first step: re-plan from the order the hooks fired in, with the cost model
+        choosing the "auto" layout on an accelerator; keep its predicted step time."""
         self.synchronize()
         log, self.fire_log = self.fire_log, None
         host_seconds = self.counters.host_step_seconds - self._host_seconds_before_learning
-        self.replan(self.layout.learned_plan(log, host_seconds, self.transfer))
+        numels = [p.numel() for p in self.params]
+        host_elements = sum(rt.bucket.numel for rt in self.buckets.host())
+        lowp_bytes = torch.empty((), dtype=self.layout.dtype).element_size()
+        machine = measured_machine(self.transfer, host_elements, host_seconds, lowp_bytes, self.layout.h2d_gbps)
+        workload = measured_workload(log, numels, self.observer.last_step_span,
+                                     self.config.speculation_max_rollback_rate / 2)
+        choice = None
+        if self.transfer.is_async and self.layout.device.type != "cpu":
+            sizes = BUCKET_SIZES_MB if self.config.bucket_size_mb == "auto" else (float(self.config.bucket_size_mb),)
+            choice = choose_plan(machine, workload, bucket_sizes_mb=sizes, casts=(self.cast,))
+        self.replan(self.layout.learned_plan(log, choice, int(machine.device_free_bytes)))
+        predicted = predict(machine, workload, bucket_numel=self.plan.bucket_numel,
+                            device_buckets=self.plan.num_device_buckets, cast=self.cast,
+                            speculate=self.config.speculation != "off")
+        self.counters.predicted_step_seconds = predicted.step_s
+        logger.info("SuperOffload cost model: predicted step %.4fs (forward %.4fs, backward %.4fs, exposed "
+                    "host %.4fs, exposed transfers %.4fs) for %s", predicted.step_s, predicted.forward_s,
+                    predicted.backward_s, predicted.exposed_host_s, predicted.exposed_transfer_s, machine.name)
         self.learned = {"ready_order": list(log.order), "deferred": log.deferred(),
                         "device_buckets": self.plan.num_device_buckets}
 

@@ -6,15 +6,14 @@ Rules (the "auto" choices of SuperOffloadConfig):
 * cast "auto": "device" when the device is the CPU; on CUDA, "device" (move fp32, cast on the
   device) when a page-locked host-to-device copy runs at >= FAST_LINK_GBPS (NVLink-C2C class),
   else "host" (the kernel writes the low-precision copy; half the bytes cross the link).
-* device_buckets "auto": 0 when the device is the CPU. On an accelerator it is chosen after the
-  first step by a heuristic from host timestamps (not device events): if the host needed
-  `t_host` seconds of kernel time for all buckets and backward delivered gradients over
-  `t_backward` seconds, a fraction (t_host - t_backward) / t_host of the buckets would still
-  wait for the host when backward ends; that many of the last buckets, plus one (the last
-  bucket's own step), become device-resident, at most half of the buckets (offloading stays the
-  point), and only as many of the last buckets as fit, with their real sizes, in a quarter of
-  the free device memory (16 bytes per element: fp32 master, moments and gradient, plus the
-  chunked float64 norm transient).
+* device_buckets and bucket_size_mb "auto": 0 device buckets when the device is the CPU. On an
+  accelerator both are chosen after the first step by the cost model (perf/cost_model.py) fed
+  with that step's host-clock measurements (engine/autoplan.py: backward time from the gradient
+  hooks, host Adam rate, link bandwidth, device Adam rate): at most half of the buckets stay on
+  the device (offloading stays the point), and only as many of the last buckets as fit, with
+  their real sizes, in a quarter of the free device memory (16 bytes per element: fp32 master,
+  moments and gradient, plus the chunked float64 norm transient). Before the first step the
+  bucket size is 32 MB (fewer for a small model).
 * The first step never speculates: it records the order in which gradients arrive and how often
   each parameter's hook fires. The plan is rebuilt in that order; parameters that fire more or
   less often than most ("deferred": tied or reused parameters, unused ones) get non-speculative
@@ -24,7 +23,6 @@ Rules (the "auto" choices of SuperOffloadConfig):
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from typing import Optional
@@ -47,15 +45,17 @@ class FireLog:
 
     def __init__(self, num_params: int):
         self.order: list[int] = []
+        self.first_fired: dict[int, float] = {}  # index -> when its first gradient arrived
         self.counts = [0] * num_params
         self.first_time: Optional[float] = None
         self.last_time: Optional[float] = None
 
     def record(self, index: int) -> None:
+        now = time.perf_counter()
         if self.counts[index] == 0:
             self.order.append(index)
+            self.first_fired[index] = now
         self.counts[index] += 1
-        now = time.perf_counter()
         self.first_time = now if self.first_time is None else self.first_time
         self.last_time = now
 
@@ -80,6 +80,7 @@ class LayoutBuilder:
         self.group_indices = [[index_of[p] for p in g["params"]] for g in groups]
         self.group_labels = [_label(g) for g in groups]
         self.bucket_numel = auto_bucket_numel(config.bucket_size_mb, sum(p.numel() for p in params))
+        self.h2d_gbps: Optional[float] = None  # measured for cast "auto" (and reused by autoplan)
 
     def plan(self, device_buckets: int, ready_order=None, deferred=()) -> BucketPlan:
         return BucketPlan.build(self.shapes, self.group_indices, bucket_numel=self.bucket_numel,
@@ -90,25 +91,25 @@ class LayoutBuilder:
         n = self.config.device_buckets
         return self.plan(0 if n == "auto" else n)
 
-    def learned_plan(self, log: FireLog, host_seconds: float, transfer) -> BucketPlan:
+    def learned_plan(self, log: FireLog, choice, free_device_bytes: int) -> BucketPlan:
+        """The plan in the order the first step's hooks fired. `choice`: the cost model's plan
+        (engine/autoplan.py) on an accelerator, None on the CPU; it sets the "auto" bucket size
+        and device-resident buckets, the latter only as many of the last buckets as fit, with
+        their real sizes, in DEVICE_MEMORY_FRACTION of the free device memory."""
         deferred = log.deferred()
+        if choice is not None and self.config.bucket_size_mb == "auto":
+            self.bucket_numel = choice.bucket_numel
         n = self.config.device_buckets
         if n == "auto":
-            n = self.auto_device_buckets(self.plan(0, log.order, deferred), log, host_seconds, transfer)
+            n = 0
+            if choice is not None:
+                draft = self.plan(0, log.order, deferred)
+                affordable = device_buckets_within(draft, int(free_device_bytes * DEVICE_MEMORY_FRACTION))
+                n = max(0, min(choice.device_buckets, affordable, len(draft.buckets) // 2))
+                logger.info("SuperOffload auto layout from the cost model: %d buckets of <= %d elements, %d "
+                            "device-resident (memory allows %d)", len(draft.buckets), self.bucket_numel, n,
+                            affordable)
         return self.plan(n, log.order, deferred)
-
-    def auto_device_buckets(self, draft: BucketPlan, log: FireLog, host_seconds: float, transfer) -> int:
-        if not transfer.is_async or self.device.type == "cpu" or not draft.buckets:
-            return 0  # the CPU or the simulated device: device memory is host memory
-        backlog = max(0.0, host_seconds - log.seconds) / host_seconds if host_seconds > 0 else 0.0
-        wanted = min(len(draft.buckets) // 2, math.ceil(len(draft.buckets) * backlog) + 1)
-        free_bytes, _ = transfer.runtime.memory_info()
-        affordable = device_buckets_within(draft, int(free_bytes * DEVICE_MEMORY_FRACTION))
-        chosen = max(0, min(wanted, affordable))
-        logger.info("SuperOffload device_buckets auto (a heuristic from host timestamps of the first "
-                    "step): host %.3fs vs backward %.3fs over %d buckets -> %d device-resident "
-                    "(memory allows %d)", host_seconds, log.seconds, len(draft.buckets), chosen, affordable)
-        return chosen
 
     # ---- dtypes and buffers ---------------------------------------------------------------
 
@@ -117,7 +118,7 @@ class LayoutBuilder:
             return self.config.cast
         if not transfer.is_async or self.device.type == "cpu":  # the simulated device: host memory
             return "device"
-        gbps = transfer.measure_h2d_gbps()
+        gbps = self.h2d_gbps = transfer.measure_h2d_gbps()
         cast = "device" if gbps >= FAST_LINK_GBPS else "host"
         logger.info("SuperOffload cast auto: host-to-device %.1f GB/s -> cast on the %s", gbps, cast)
         return cast

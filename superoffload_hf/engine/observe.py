@@ -25,6 +25,8 @@ class StepObserver:
         self.step_index = 0  # step() calls so far
         self.open = False
         self._opened_at = 0.0
+        self.last_step_span = 0.0  # the last step, from its first forward to step()
+        self._last_step_call: float = None
         self._idle_pending: list = []  # (before, after) timing events around device waits
 
     # ---- training thread --------------------------------------------------------------------
@@ -42,6 +44,10 @@ class StepObserver:
     def step_begins(self) -> float:
         self.open_step()
         now = self.timeline.now()
+        self.last_step_span = now - self._opened_at
+        if self._last_step_call is not None:
+            self.counters.step_seconds = now - self._last_step_call
+        self._last_step_call = now
         self.timeline.span(DEVICE, "forward + backward", self._opened_at, now, clock="host (issue)")
         return now
 

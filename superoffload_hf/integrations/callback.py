@@ -45,6 +45,8 @@ class SuperOffloadCallback(TrainerCallback):
     (includes waiting for the device's own backward to deliver gradients), same mean;
     `superoffload/overlap`: 1 - device_wait / host_step over the last N steps, clamped to [0, 1]
     (1.0: the host steps were fully hidden behind the device's work; absent while host_step is 0);
+    `superoffload/step_s`: the last step's wall time; `superoffload/predicted_step_s`: what the
+    cost model predicted for the layout in use (after the first step);
     `superoffload/loss_scale`: the fp16 loss scale (fp16 only).
     """
 
@@ -110,6 +112,9 @@ class SuperOffloadCallback(TrainerCallback):
         values = {LOG_PREFIX + name: now[name] for name in ("rollbacks", "replays", "skips", "speculative_steps")}
         values[LOG_PREFIX + "host_step_s"] = host_s
         values[LOG_PREFIX + "device_wait_s"] = wait_s
+        values[LOG_PREFIX + "step_s"] = now["step_seconds"]
+        if now["predicted_step_seconds"] > 0:
+            values[LOG_PREFIX + "predicted_step_s"] = now["predicted_step_seconds"]
         values[LOG_PREFIX + "thread_wait_s"] = (now["thread_wait_seconds"] - last.get("thread_wait_seconds", 0.0)) / steps
         if host_s > 0.0:
             values[LOG_PREFIX + "overlap"] = min(max(1.0 - wait_s / host_s, 0.0), 1.0)

@@ -24,10 +24,10 @@ Bytes per element (fp32 master, Adam moments m and v; the engine's buffers, engi
     cast "device": the gradient crosses in fp32 straight into the fp32 staging buffer; the
                    kernel reads p, g, m, v and writes p, m, v (28 B) after the norm reads g
                    (4 B); fp32 weights cross back (4 B) and the device casts them.
-    cast "host":   the gradient crosses in the low-precision dtype into a landing buffer, is
-                   cast into the fp32 staging buffer (read 2, write 4), the norm reads it (4),
-                   the kernel moves 28 B plus the low-precision copy it writes (2); that copy
-                   crosses back (2 B).
+    cast "host":   the gradient crosses in the low-precision dtype into a landing buffer (2);
+                   with one micro-batch the kernel reads it there as it is (engine/jobs.py: no
+                   upcast): the norm reads it (2), the Adam pass reads a 2-byte gradient (26 B)
+                   and writes the low-precision copy (2); that copy crosses back (2 B).
     Copies land in (and leave from) host memory too: their bytes count against host bandwidth.
 
 The probe measures the host Adam rate on the 30-byte pass (fp32 gradient + low-precision copy);
@@ -61,7 +61,7 @@ def host_bytes_per_element(cast: str, lowp_bytes: int) -> float:
     """Host memory traffic per element of one host bucket's step, copies included."""
     if cast == "device":
         return FP32 + FP32 + 28 + FP32  # D2H lands g, norm reads g, Adam pass, H2D reads p
-    return lowp_bytes + (lowp_bytes + FP32) + FP32 + 28 + lowp_bytes + lowp_bytes  # land, cast, norm, Adam + copy, H2D
+    return lowp_bytes + lowp_bytes + (28 - FP32 + lowp_bytes) + lowp_bytes + lowp_bytes  # land, norm, Adam, copy, H2D
 
 
 def link_bytes_per_element(cast: str, lowp_bytes: int) -> tuple[int, int]:
