@@ -480,6 +480,33 @@ def test_transfer_in_the_engine_order_gives_exact_values(optimizer_first):
     assert torch.equal(params, 1.0 - 0.5 * expected_grad)
 
 
+def test_copy_backs_issued_back_to_back_share_one_staging_buffer(rt):
+    """The second copy-back overwrites the staging buffer before the first one has run (the
+    simulator runs h2d lazily): the h2d stream orders them, so each parameter still gets its own
+    source, and the buffer is allocated once."""
+    model_a, model_b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    params_a, params_b = list(model_a.parameters()), list(model_b.parameters())
+    rt.adopt(params_a + params_b)
+    tr = Transfer(rt, pin_memory=True)
+    tr.reserve(8)
+    allocations, device_empty = [], rt.device_empty
+    rt.device_empty = lambda numel, dtype: allocations.append(numel) or device_empty(numel, dtype)
+    src_a, src_b = filled(rt, [float(i) for i in range(8)]), filled(rt, [-float(i) for i in range(8)])
+    events = []
+
+    def copy_backs():
+        events.append(tr.params_to_device(src_a, params_a, [0, 6]))
+        events.append(tr.params_to_device(src_b, params_b, [0, 6]))
+
+    in_thread(copy_backs)
+    assert rt.pending_ops() > 0  # nothing has run yet
+    for event in events:
+        tr.wait_device(event)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params_a]), src_a)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params_b]), src_b)
+    assert allocations == [8] and not rt.errors
+
+
 # What catches each omitted synchronisation: a SimRaceError saying this, or NaN poison read.
 CAUGHT_BY = {
     "d2h_waits_compute": "missing wait_stream/wait_event on the compute stream",

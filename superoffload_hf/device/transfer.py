@@ -3,7 +3,9 @@
 Gradients go device->host on a side stream `d2h`, into host buffers (page-locked on an
 accelerator); parameters come back host->device on a side stream `h2d`; each copy is marked by
 an event. The host waits on one event (`wait_host`), the compute stream waits on one event
-(`wait_device`); nothing here synchronizes the whole device. On the CPU runtime every stream and
+(`wait_device`); nothing here synchronizes the whole device. A copy-back goes through a device
+staging buffer (one per dtype, sized by `reserve()` to the largest host bucket, allocated once
+and reused by every copy-back). On the CPU runtime every stream and
 event is a no-op and the copies run at once.
 
 Every synchronisation is named (`SYNCS`). `omitted` removes some of them: only the mutation
@@ -42,6 +44,8 @@ class Transfer:
         self.d2h = runtime.new_stream()
         self.h2d = runtime.new_stream()
         self._fence = None  # see fence()
+        self.slot_numel = 0  # the largest host bucket of the plan (reserve())
+        self._staging: dict[torch.dtype, torch.Tensor] = {}  # copy-back staging, one per dtype, on h2d
 
     @property
     def is_async(self) -> bool:
@@ -49,6 +53,16 @@ class Transfer:
 
     def _keeps(self, sync: str) -> bool:
         return sync not in self.omitted
+
+    def reserve(self, slot_numel: int) -> None:
+        """Between steps, for a new plan (nothing in flight that the caller has not waited for):
+        `slot_numel` elements (the largest host bucket) size the copy-back staging buffers, each
+        allocated once, at its first use, and reused by every copy-back after. Dropping the old
+        ones is safe: each was allocated on the stream that uses it, so the allocator reuses its
+        memory only after that stream's queued work."""
+        if slot_numel != self.slot_numel:
+            self.slot_numel = slot_numel
+            self._staging = {}
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.runtime.host_empty(numel, dtype, pinned=self.pin_memory)
@@ -84,7 +98,9 @@ class Transfer:
         with torch.no_grad(), guard, rt.on_stream(self.h2d):
             if self._fence is not None and self._keeps("fence"):
                 self.h2d.wait_event(self._fence)
-            staged_dev = rt.device_empty(src_host.numel(), src_host.dtype)  # allocated on h2d
+            staged_dev = self._staging_on_h2d(src_host.numel(), src_host.dtype)
+            # No wait before overwriting it: every copy-back runs on this one h2d stream, so this
+            # copy starts only after the previous copy-back's reads of the buffer have run.
             rt.copy_(staged_dev, src_host)
             for p, offset in zip(params, offsets):
                 rt.copy_(p.detach(), staged_dev[offset:offset + p.numel()].view(p.shape))  # casts
@@ -94,6 +110,13 @@ class Transfer:
             if self._keeps("h2d_event"):
                 done.record(self.h2d)
         return done
+
+    def _staging_on_h2d(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The caller is on h2d: the staging buffer of `dtype` (allocated there, on first use)."""
+        staged = self._staging.get(dtype)
+        if staged is None or staged.numel() < numel:  # only a caller that did not reserve() grows it
+            staged = self._staging[dtype] = self.runtime.device_empty(max(numel, self.slot_numel), dtype)
+        return staged[:numel]
 
     def fence(self) -> None:
         """Training thread, at step(), before the step's host jobs are queued: their copy-backs

@@ -25,6 +25,7 @@ class BucketSet:
     def install(self, plan: BucketPlan, state_of: Callable[[int, ParamSlot, BucketBuffers], None]) -> None:
         """Build buffers for `plan` and fill them through state_of(param index, slot, bufs)."""
         self.plan = plan
+        self.transfer.reserve(max((b.numel for b in plan.buckets if not b.device_resident), default=0))
         self.runtimes = []
         self.where: dict[int, tuple[BucketRuntime, int]] = {}
         for bucket in plan.buckets:
