@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from superoffload_hf import SuperOffloadAdamW, SuperOffloadConfig
+from superoffload_hf.device.transfer import GRAD_RING_SLOTS
 from superoffload_hf.engine.hooks import HeldGrad
 
 from _models import read_params
@@ -327,6 +328,26 @@ def test_step_fences_the_device_stream_before_queuing_its_copy_backs():
             opt.zero_grad()
     steps = " ".join(log).split("backward")[1:]
     assert len(steps) == 3 and all("copy" in s and s.index("fence") < s.index("copy") for s in steps), log
+
+
+def test_steps_after_the_first_allocate_no_device_buffers(device_mode):
+    """Gradient rounds go through the transfer's ring of device buffers and copy-backs through
+    one staging buffer: once the plan is learned (step 1), training allocates nothing on the
+    device, and the ring stays at GRAD_RING_SLOTS although the plan has more host buckets."""
+    model, opt = make({"speculation": "on", "device_buckets": 1, "bucket_size_mb": 0.001})
+    runtime, allocations = opt._engine.runtime, []
+    device_empty = runtime.device_empty
+    with opt:
+        for step in range(5):
+            if step == 2:
+                runtime.device_empty = lambda numel, dtype: allocations.append(numel) or device_empty(numel, dtype)
+            offload_step(model, opt, step, fixed_clip(step))
+        opt.synchronize()
+    del runtime.device_empty
+    assert allocations == []
+    assert len(list(opt._engine.buckets.host())) > GRAD_RING_SLOTS >= opt._engine.transfer.ring_slots
+    if device_mode == "sim":
+        assert opt._engine.transfer.ring_slots == GRAD_RING_SLOTS
 
 
 def test_state_dict_round_trip_continues_bit_identically(tmp_path):

@@ -4,8 +4,9 @@ speculating, stepping) a bucket as soon as its last micro-batch's gradients are 
 Runs on autograd's thread (the hooks) and on the training thread (step(), zero_grad()); never
 both at once, since backward() blocks its caller.
 
-A host bucket collects in *rounds*: each gradient is copied into a transient flat device buffer
-(`round_dev`, in the dtype that crosses the link) and `p.grad` is released. A round ends when
+A host bucket collects in *rounds*: each gradient is copied into a flat device buffer
+(`round_dev`, in the dtype that crosses the link: a slot of the transfer's gradient ring, whose
+reuse waits for its last copy) and `p.grad` is released. A round ends when
 every parameter of the bucket delivered a gradient, or when one delivers a second one; it is
 then flushed: copied to the host and, in the worker, copied or added in fp32 into the bucket's
 gradient buffer. The round that completes the last micro-batch launches the bucket.
@@ -71,7 +72,7 @@ class Collector:
         if rt.round_fired[k]:
             self.flush(rt)
         if rt.round_dev is None:
-            rt.round_dev = self.transfer.device_empty(rt.bucket.numel, self.link_dtype)
+            rt.round_dev = self.transfer.grad_slot(rt.bucket.numel, self.link_dtype)
         BucketBuffers.view(rt.round_dev, rt.bucket.slots[k]).copy_(grad)  # casts when the link is fp32
         rt.round_fired[k] = rt.present[k] = True
         rt.fires[k] += 1
@@ -160,6 +161,6 @@ class Collector:
         speculative step taken with them. The caller resets and synchronizes afterwards."""
         for rt in self.buckets.host():
             if any(rt.round_fired):
-                rt.take_round()
+                self.transfer.release_grad_slot(rt.take_round())
             if rt.launched:
                 self.reopen(rt)
