@@ -42,6 +42,7 @@ def _sanitizer_in_this_thread():
 
 class AcceleratorRuntime:
     is_async = True
+    host_is_device = False
 
     def __init__(self, device: torch.device):
         if device.index is None:

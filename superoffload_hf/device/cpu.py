@@ -15,6 +15,7 @@ from superoffload_hf.device.runtime import NullEvent, NullStream, nothing
 
 class CpuRuntime:
     is_async = False
+    host_is_device = True
     name = "cpu"
 
     def __init__(self):

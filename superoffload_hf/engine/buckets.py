@@ -1,6 +1,11 @@
 """The buckets at run time: the plan, each bucket's runtime and buffers, which parameter lives
 where, and each parameter's Adam step count. Also the per-parameter state interface that
-checkpoints and re-planning go through (`export_param`, `import_param`)."""
+checkpoints and re-planning go through (`export_param`, `import_param`).
+
+When the device is this host's memory (the CPU runtime) and the device dtype is fp32, a host
+bucket's parameters are views into its fp32 master buffer (`alias_params`): a host step updates
+them in place, nothing is copied back, and there is no second copy of the weights.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ class BucketSet:
         self.param_steps = [0] * len(params)
         self.runtimes: list[BucketRuntime] = []
         self.plan: BucketPlan = None  # set by install()
+        self.aliases_masters = transfer.runtime.host_is_device and layout.dtype == torch.float32
+        self._aliases: list[tuple[int, int]] = []  # (param index, data_ptr) of aliased parameters
 
     def install(self, plan: BucketPlan, state_of: Callable[[int, ParamSlot, BucketBuffers], None]) -> None:
         """Build buffers for `plan` and fill them through state_of(param index, slot, bufs)."""
@@ -36,6 +43,7 @@ class BucketSet:
                 self.where[slot.index] = (rt, k)
             self.runtimes.append(rt)
         self.runtime_of = {self.params[i]: rt for i, (rt, _) in self.where.items()}
+        self.alias_params()
 
     def initial_state(self, index: int, slot: ParamSlot, bufs: BucketBuffers) -> None:
         # fp32 masters from the parameters as given (an fp32 model keeps full precision).
@@ -57,6 +65,33 @@ class BucketSet:
                 rt.bufs = None  # free it now: peak memory stays near one copy of the state
 
         self.install(plan, move)
+
+    def alias_params(self) -> None:
+        """Point each host bucket's parameters at its fp32 master (when `aliases_masters`): after
+        install(), so a re-plan re-points them into the new buffers."""
+        self._aliases = []
+        if not self.aliases_masters:
+            return
+        with torch.no_grad():
+            for rt in self.host():
+                for p, slot in zip(rt.params, rt.bucket.slots):
+                    p.data = BucketBuffers.view(rt.bufs.master, slot).view(slot.shape)
+                    self._aliases.append((slot.index, p.data_ptr()))
+                rt.params_alias_master = True
+
+    def check_aliases(self) -> None:
+        """Raise if user code replaced an aliased parameter's storage since alias_params()."""
+        for index, ptr in self._aliases:
+            p = self.params[index]
+            if p.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"Parameter {index} (shape {tuple(p.shape)}, {p.dtype}) no longer shares memory with "
+                    "the optimizer's fp32 master weight: its storage was replaced after the optimizer was "
+                    "built (`p.data = ...`, `model.to(dtype)`, `model.half()`, ...). On the CPU with fp32 "
+                    "the parameters are views of the master weights, so the optimizer would update a "
+                    "tensor the model no longer uses. Move or cast the model before building the "
+                    "optimizer; to set new values, write them in place (`p.data.copy_(...)`, "
+                    "`model.load_state_dict(...)`).")
 
     def host(self) -> Iterator[BucketRuntime]:
         return (rt for rt in self.runtimes if not rt.bucket.device_resident)
@@ -84,5 +119,7 @@ class BucketSet:
         has synchronized)."""
         with torch.no_grad():
             for rt in self.runtimes:
+                if rt.params_alias_master:
+                    continue  # the parameters are the masters
                 for p, slot in zip(rt.params, rt.bucket.slots):
                     p.detach().copy_(BucketBuffers.view(rt.bufs.master, slot).view(slot.shape))

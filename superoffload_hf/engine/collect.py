@@ -9,7 +9,9 @@ A host bucket collects in *rounds*: each gradient is copied into a flat device b
 reuse waits for its last copy) and `p.grad` is released. A round ends when
 every parameter of the bucket delivered a gradient, or when one delivers a second one; it is
 then flushed: copied to the host and, in the worker, copied or added in fp32 into the bucket's
-gradient buffer. The round that completes the last micro-batch launches the bucket.
+gradient buffer. The round that completes the last micro-batch launches the bucket. When the
+bucket's parameters are views of its master (the CPU, fp32), nothing crosses: each gradient is
+copied or added straight into the gradient buffer, and a flush only closes the round.
 """
 
 from __future__ import annotations
@@ -71,9 +73,17 @@ class Collector:
             rt.move(BucketState.COLLECTING)  # job must be done before the state changes hands
         if rt.round_fired[k]:
             self.flush(rt)
-        if rt.round_dev is None:
-            rt.round_dev = self.transfer.grad_slot(rt.bucket.numel, self.link_dtype)
-        BucketBuffers.view(rt.round_dev, rt.bucket.slots[k]).copy_(grad)  # casts when the link is fp32
+        if rt.params_alias_master:
+            self.waiter.wait_idle(rt)  # a rollback queued by a re-open still reads the gradient buffer
+            view = BucketBuffers.view(rt.bufs.grad, rt.bucket.slots[k])
+            if rt.present[k]:
+                view.add_(grad)  # accumulated in fp32
+            else:
+                view.copy_(grad)
+        else:
+            if rt.round_dev is None:
+                rt.round_dev = self.transfer.grad_slot(rt.bucket.numel, self.link_dtype)
+            BucketBuffers.view(rt.round_dev, rt.bucket.slots[k]).copy_(grad)  # casts when the link is fp32
         rt.round_fired[k] = rt.present[k] = True
         rt.fires[k] += 1
         if rt.round_complete:
@@ -104,20 +114,28 @@ class Collector:
         if not first and rt.grad_in is not rt.bufs.grad:  # a kept round, re-opened: upcast it
             self.worker.submit(functools.partial(self.jobs.hold_in_fp32, rt), rt.pending)  # before
         self.waiter.wait_idle(rt)  # the next round lands there; the worker may still read grad / recv
-        flat = rt.take_round()
-        fp32_direct = first and flat.dtype == torch.float32
-        landed = rt.bufs.grad if fp32_direct else rt.bufs.recv_buffer(flat.dtype)
-        event = self.transfer.grad_to_host(flat, landed)
-        self.counters.bytes_d2h += flat.numel() * flat.element_size()
+        if rt.params_alias_master:  # the hooks wrote bufs.grad; its jobs are done (waited above)
+            jobs = []
+            if first:
+                rt.zero_absent_grads()
+            rt.grad_in = rt.bufs.grad
+            rt.round_fired = [False] * len(rt.round_fired)
+        else:
+            flat = rt.take_round()
+            fp32_direct = first and flat.dtype == torch.float32
+            landed = rt.bufs.grad if fp32_direct else rt.bufs.recv_buffer(flat.dtype)
+            event = self.transfer.grad_to_host(flat, landed)
+            self.counters.bytes_d2h += flat.numel() * flat.element_size()
+            keep = first and launch  # this round is the step's whole gradient: no upcast
+            jobs = [functools.partial(self.jobs.receive, rt, landed, event, first, keep)]
         rt.staged = True
-        keep = first and launch  # this round is the step's whole gradient: no upcast
-        jobs = [functools.partial(self.jobs.receive, rt, landed, event, first, keep)]
         if launch:
             self._mark_launched(rt)
             jobs.append(functools.partial(self.jobs.launch, rt, spec, self.step.budget))
             if spec is not None:
                 self.waiter.inflight.add(rt)  # a forward before step() must not read speculative weights
-        self.worker.submit(lambda: [job() for job in jobs], rt.pending)
+        if jobs:
+            self.worker.submit(lambda: [job() for job in jobs], rt.pending)
 
     def _mark_launched(self, rt: BucketRuntime) -> None:
         rt.move(BucketState.LAUNCHED)
@@ -160,7 +178,7 @@ class Collector:
         """Forget this step's gradients (zero_grad() between backward and step()), undoing any
         speculative step taken with them. The caller resets and synchronizes afterwards."""
         for rt in self.buckets.host():
-            if any(rt.round_fired):
+            if rt.round_dev is not None:
                 self.transfer.release_grad_slot(rt.take_round())
             if rt.launched:
                 self.reopen(rt)

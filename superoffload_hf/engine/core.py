@@ -146,6 +146,7 @@ class Engine:
 
     def step(self, max_grad_norm: Optional[float]) -> Decision:
         self.worker.raise_if_failed()
+        self.buckets.check_aliases()
         if not self.has_pending_gradients() and not any(p.requires_grad and p.grad is not None
                                                         for p in self.unhooked):
             return EMPTY_STEP  # torch semantics: no gradient, no update; no step counted, no loss-scale growth

@@ -211,6 +211,7 @@ def _forward_hook(runtime_ref, module, args, output):
 
 class SimRuntime:
     is_async = True
+    host_is_device = False  # CPU tensors, but device memory in the model it simulates
     name = "sim:0"
 
     _shared: Optional["SimRuntime"] = None
