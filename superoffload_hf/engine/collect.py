@@ -40,6 +40,9 @@ class Collector:
         self.buckets, self.transfer, self.worker, self.jobs = e.buckets, e.transfer, e.worker, e.jobs
         self.waiter, self.step, self.counters, self.config = e.waiter, e.step_state, e.counters, e.config
         self.link_dtype = e.layout.link_dtype(e.cast)
+        # The CPU device: host jobs run inline, between backward's kernels, where they only slow
+        # it down (torch's OpenMP workers still spin there): a norm alone waits for step().
+        self.launch_only_to_speculate = e.runtime.host_is_device
 
     # ---- autograd thread ------------------------------------------------------------------
 
@@ -88,7 +91,8 @@ class Collector:
         rt.fires[k] += 1
         if rt.round_complete:
             launch = rt.bucket.speculative and self._is_last_micro_batch(rt)
-            self.flush(rt, launch=launch, spec=self._speculative_call(rt) if launch else None)
+            spec = self._speculative_call(rt) if launch else None
+            self.flush(rt, launch=launch and (spec is not None or not self.launch_only_to_speculate), spec=spec)
 
     def _is_last_micro_batch(self, rt: BucketRuntime) -> bool:
         sync_source: Optional[Callable[[], bool]] = self.engine.sync_source

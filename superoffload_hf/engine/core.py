@@ -37,7 +37,7 @@ from superoffload_hf.engine.loss_scale import make_loss_scale
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
-from superoffload_hf.engine.worker import HostWorker
+from superoffload_hf.engine.worker import HostWorker, InlineWorker
 from superoffload_hf.host.kernel import default_threads, get_host_adam
 from superoffload_hf.metrics import OffloadCounters
 
@@ -60,10 +60,11 @@ def check_single_process() -> None:
         )
 
 
-def auto_host_threads(cores: int) -> int:
+def auto_host_threads(cores: int, device_is_host: bool = False) -> int:
     """Every core this process may run on but one, which the training thread (the autograd engine
-    feeding the device) needs; at least one."""
-    return max(1, cores - 1)
+    feeding the device) needs; at least one. On the CPU device every core: host jobs run inline,
+    while the training thread waits for them."""
+    return cores if device_is_host else max(1, cores - 1)
 
 
 class Engine:
@@ -81,12 +82,13 @@ class Engine:
         threads = config.host_threads
         if threads == "auto":
             cores = default_threads()
-            threads = auto_host_threads(cores)
-            self.host_threads_note = f"auto: {threads} of {cores} cores, one left for the training thread"
+            threads = auto_host_threads(cores, self.runtime.host_is_device)
+            self.host_threads_note = (f"auto: {threads} of {cores} cores, " + ("the device is the CPU: jobs run inline"
+                                      if self.runtime.host_is_device else "one left for the training thread"))
         self.adam = get_host_adam(config.host_kernel, threads=threads)
         self.jobs = HostJobs(self.adam, self.transfer, adamw, config.rollback == "snapshot", counters)
         self.policy = SpeculationPolicy(config.speculation, config.speculation_window,
-                                        config.speculation_max_rollback_rate)
+                                        config.speculation_max_rollback_rate, overlap=not self.runtime.host_is_device)
         self.loss_scale = make_loss_scale(config)
         self.buckets = BucketSet(self.params, self.layout, self.transfer, self.cast)
         self.buckets.install(self.layout.initial_plan(), self.buckets.initial_state)
@@ -98,7 +100,7 @@ class Engine:
         self.fire_log: Optional[FireLog] = FireLog(len(self.params))  # None once learned
         self._host_seconds_before_learning = counters.host_step_seconds
         self.learned: Optional[dict] = None  # the learned plan's inputs, for checkpoints
-        self.worker = HostWorker()
+        self.worker = InlineWorker() if self.runtime.host_is_device else HostWorker()
         self.waiter = Waiter(self.buckets, self.worker, self.transfer, counters, self._reopen)
         self.collector = Collector(self)
         self.committer = Committer(self)
