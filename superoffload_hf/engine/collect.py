@@ -43,6 +43,7 @@ class Collector:
         # The CPU device: host jobs run inline, between backward's kernels, where they only slow
         # it down (torch's OpenMP workers still spin there): a norm alone waits for step().
         self.launch_only_to_speculate = e.runtime.host_is_device
+        self.held: list[Optional[HeldGrad]] = [None] * len(e.params)  # one placeholder per parameter
 
     # ---- autograd thread ------------------------------------------------------------------
 
@@ -51,7 +52,10 @@ class Collector:
         index = self.buckets.index_of[p]
         rt, k = self.buckets.where[index]
         grad = p.grad.detach().reshape(-1)
-        p.grad = HeldGrad(p)  # any later use of p.grad raises (e.g. clip_grad_norm_)
+        held = self.held[index]
+        if held is None or held.dtype != p.dtype or held.shape != p.shape:
+            held = self.held[index] = HeldGrad(p)
+        p.grad = held  # any later use of p.grad raises (e.g. clip_grad_norm_)
         if self.engine.fire_log is not None:
             self.engine.fire_log.record(index)
         if rt.bucket.device_resident:
