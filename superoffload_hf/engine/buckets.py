@@ -74,8 +74,9 @@ class BucketSet:
             return
         with torch.no_grad():
             for rt in self.host():
+                master = rt.bufs.master.numpy()  # the same memory; keeps the buffer alive
                 for p, slot in zip(rt.params, rt.bucket.slots):
-                    p.data = BucketBuffers.view(rt.bufs.master, slot).view(slot.shape)
+                    p.data = _param_over(master, slot)
                     self._aliases.append((slot.index, p.data_ptr()))
                 rt.params_alias_master = True
 
@@ -123,3 +124,13 @@ class BucketSet:
                     continue  # the parameters are the masters
                 for p, slot in zip(rt.params, rt.bucket.slots):
                     p.detach().copy_(BucketBuffers.view(rt.bufs.master, slot).view(slot.shape))
+
+
+def _param_over(master, slot: ParamSlot) -> torch.Tensor:
+    """A tensor over the slot's elements of `master` (a numpy view of a bucket's fp32 master) with
+    a storage of its own: savers that keep only one of the tensors sharing a storage
+    (accelerate's save_model, safetensors' save_model) must see every parameter as separate."""
+    if slot.numel == 0:
+        return torch.empty(slot.shape, dtype=torch.float32)
+    return torch.frombuffer(master, dtype=torch.float32, count=slot.numel,
+                            offset=slot.offset * master.itemsize).view(slot.shape)
