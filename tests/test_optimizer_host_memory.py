@@ -183,8 +183,14 @@ def test_footprint_matches_the_resident_memory_of_the_allocation():
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config=engine_config(bucket_size_mb="auto", device_buckets=0))
     try:
         grown = resident_bytes() - before
-        estimate = sum(r.nbytes for r in footprint(opt.plan, opt._engine.buckets.policy)
+        policy = opt._engine.buckets.policy
+        estimate = sum(r.nbytes for r in footprint(opt.plan, policy)
                        if not r.transient and r.what != "device params")  # the model's own weights
-        assert abs(grown - estimate) <= 0.05 * estimate, f"estimate {estimate / n:.2f} B/param, allocated {grown / n:.2f}"
+        assert policy.params_alias_masters == (opt._engine.runtime.name == "cpu")
+        # The CPU with fp32: the parameters moved into the masters and their own 4 B/param were
+        # freed; whether the C allocator gives those pages back to the OS at once varies.
+        freed = 4 * n if policy.params_alias_masters else 0
+        assert estimate - freed - 0.05 * estimate <= grown <= estimate + 0.05 * estimate, (
+            f"estimate {estimate / n:.2f} B/param (less {freed / n:.0f} freed), allocated {grown / n:.2f}")
     finally:
         opt.close()

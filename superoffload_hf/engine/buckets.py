@@ -36,7 +36,7 @@ class BucketSet:
         self.runtimes: list[BucketRuntime] = []
         self.arenas: dict[str, HostArena] = {}
         self.plan: BucketPlan = None  # set by install()
-        self.aliases_masters = runtime.host_is_device and policy.device_dtype == torch.float32
+        self.aliases_masters = policy.params_alias_masters
         self._aliases: list[tuple[int, int]] = []  # (param index, data_ptr) of aliased parameters
 
     def install(self, plan: BucketPlan) -> None:

@@ -97,7 +97,8 @@ class Engine:
                                         config.speculation_max_rollback_rate, overlap=not self.runtime.host_is_device)
         self.loss_scale = make_loss_scale(config)
         self.buckets = BucketSet(self.params, self.layout.buffer_policy(
-            self.cast, self.transfer.pin_memory, self.runtime.pinned_rounds_to_power_of_two), self.runtime)
+            self.cast, self.transfer.pin_memory, self.runtime.pinned_rounds_to_power_of_two,
+            host_is_device=self.runtime.host_is_device), self.runtime)
         self.buckets.install(self.layout.initial_plan())
         self._reserve_staging()
         self.layout.cast_params_in_place()

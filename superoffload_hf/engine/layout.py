@@ -132,13 +132,14 @@ class LayoutBuilder:
         return self.dtype if cast == "host" and self.dtype != torch.float32 else None
 
     def buffer_policy(self, cast: str, pin: bool, rounds_pinned: bool,
-                      accumulation_steps: Optional[int] = None) -> BufferPolicy:
+                      accumulation_steps: Optional[int] = None, host_is_device: bool = False) -> BufferPolicy:
         """Which buffers the buckets get, in which dtypes, page-locked or not (memory.py)."""
         steps = self.config.gradient_accumulation_steps if accumulation_steps is None else accumulation_steps
         return BufferPolicy(device_dtype=self.dtype, link_dtype=self.link_dtype(cast),
                             lowp_dtype=self.lowp_dtype(cast), pin=pin,
                             snapshot=self.config.rollback == "snapshot", accumulates=steps > 1,
-                            rounds_pinned=rounds_pinned)
+                            rounds_pinned=rounds_pinned,
+                            params_alias_masters=host_is_device and self.dtype == torch.float32)
 
     def cast_params_in_place(self) -> None:
         for p in self.params:
@@ -194,6 +195,7 @@ def estimate(params: list[torch.Tensor], groups: list[dict], config, accelerator
     layout = LayoutBuilder(params, groups, config)
     cast = config.cast if config.cast != "auto" else ("host" if accelerator else "device")
     pin = accelerator and config.pin_memory in (True, "auto")  # as Transfer decides
-    policy = layout.buffer_policy(cast, pin, rounds_pinned=accelerator, accumulation_steps=accumulation_steps)
+    policy = layout.buffer_policy(cast, pin, rounds_pinned=accelerator, accumulation_steps=accumulation_steps,
+                                  host_is_device=not accelerator)
     plan = layout.initial_plan()
     return plan, footprint(plan, policy)

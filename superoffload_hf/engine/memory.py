@@ -55,6 +55,7 @@ class BufferPolicy:
     snapshot: bool  # rollback "snapshot"
     accumulates: bool  # more than one micro-batch per step
     rounds_pinned: bool = False  # the runtime rounds a page-locked block up to a power of two
+    params_alias_masters: bool = False  # the CPU device with fp32: host buckets' parameters ARE the masters
 
     def host_kinds(self) -> dict[str, tuple[torch.dtype, bool]]:
         """kind -> (dtype, page-locked) of every arena a host bucket has."""
@@ -174,7 +175,9 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
     host = [b.numel for b in plan.buckets if not b.device_resident]
     on_device = sum(b.numel for b in plan.buckets if b.device_resident)
     largest = max((b.numel for b in plan.buckets), default=0)
-    rows = [FootprintRow("device params", "device", plan.total_numel * _size(policy.device_dtype))]
+    aliased = sum(b.numel for b in plan.buckets if not b.device_resident) if policy.params_alias_masters else 0
+    # aliased parameters are views of their masters (counted below): no memory of their own
+    rows = [FootprintRow("device params", "device", (plan.total_numel - aliased) * _size(policy.device_dtype))]
     if on_device:
         rows.append(FootprintRow("device-resident buckets", "device", on_device * 4 * 4))
     for kind, (dtype, pinned) in policy.host_kinds().items():
