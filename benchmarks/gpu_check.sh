@@ -54,7 +54,7 @@ else
   part gpu_tests 150 $PY tests/test_gpu.py
 fi
 
-part train_llama 210 $PY benchmarks/train_llama.py --out "$OUT/train_llama"
+part train_llama 240 $PY benchmarks/train_llama.py --max-grad-norm 1.0,1e3 --out "$OUT/train_llama"
 if [ -f "$OUT/train_llama/results.md" ]; then
   { echo; cat "$OUT/train_llama/results.md"; } >> "$summary"
 fi

@@ -10,9 +10,13 @@ step must be clipped and not speculate at all, so "on" and "off" would time the 
 high threshold times the steady state of training (clipping checked, rarely triggered). Run with
 --max-grad-norm 1.0 to time the always-clipping regime.
 
-Reports per mode: step time (median of the measured steps), tokens/s, peak device memory, the
-time the training thread waited on the host, and the optimizer's counters; writes results.json
-and results.md to --out. Exits non-zero when a loss is not finite or the two modes' losses
+`--max-grad-norm` takes a comma-separated list (gpu_check.sh runs 1.0, Hugging Face's default,
+and 1e3); every speculation mode runs at every threshold.
+
+Reports per mode: step time (median of the measured steps), tokens/s, peak device memory, peak
+host resident memory, the device's idle time per step (measured with device events:
+`counters.device_wait_seconds`), the training thread's blocking waits, the cost model's predicted
+step time, and the optimizer's counters; writes results.json and results.md to --out. Exits non-zero when a loss is not finite or the two modes' losses
 disagree by more than --loss-rtol (speculation must not change what is learned).
 """
 
@@ -51,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", default="auto")
     p.add_argument("--cast", default="auto", choices=["auto", "device", "host"])
     p.add_argument("--rollback", default="inverse", choices=["inverse", "snapshot"])
-    p.add_argument("--max-grad-norm", type=float, default=1e3)
+    p.add_argument("--max-grad-norm", default="1e3", help="comma-separated clipping thresholds to run")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--loss-rtol", type=float, default=2e-2)
     args = p.parse_args(argv)
@@ -91,7 +95,7 @@ def sync(args) -> None:
         torch.cuda.synchronize()  # benchmark timing only: measure finished work
 
 
-def run_mode(args, speculation: str) -> dict:
+def run_mode(args, speculation: str, max_grad_norm: float) -> dict:
     from superoffload_hf import SuperOffloadAdamW
 
     model = build_model(args)
@@ -99,14 +103,15 @@ def run_mode(args, speculation: str) -> dict:
     config = {"device_dtype": args.dtype, "speculation": speculation, "rollback": args.rollback,
               "cast": args.cast, "device_buckets": _auto_or_int(args.device_buckets),
               "bucket_size_mb": _auto_or_float(args.bucket_mb)}
-    opt = SuperOffloadAdamW(model.parameters(), lr=args.lr, max_grad_norm=args.max_grad_norm, config=config)
+    opt = SuperOffloadAdamW(model.parameters(), lr=args.lr, max_grad_norm=max_grad_norm, config=config)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    losses, norms, times, waits = [], [], [], []
+    losses, norms, times, waits, thread_waits = [], [], [], [], []
     with opt:
         for step, ids in enumerate(batches(args, args.warmup + args.steps)):
             sync(args)
             start, wait_before = time.perf_counter(), opt.counters.device_wait_seconds
+            thread_before = opt.counters.thread_wait_seconds
             loss = model(input_ids=ids, labels=ids).loss
             opt.scale_loss(loss).backward()
             opt.step()
@@ -117,8 +122,13 @@ def run_mode(args, speculation: str) -> dict:
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
                 waits.append(opt.counters.device_wait_seconds - wait_before)
+                thread_waits.append(opt.counters.thread_wait_seconds - thread_before)
         result = {
             "speculation": speculation,
+            "max_grad_norm": max_grad_norm,
+            "thread_wait_seconds_per_step": statistics.mean(thread_waits),
+            "predicted_step_seconds": opt.counters.predicted_step_seconds,
+            "peak_host_rss_gib": _peak_rss_gib(),
             "params": n_params,
             "step_seconds": statistics.median(times),
             "tokens_per_second": args.batch * args.seq / statistics.median(times),
@@ -137,14 +147,21 @@ def run_mode(args, speculation: str) -> dict:
     return result
 
 
-def check(results: list[dict], rtol: float, max_grad_norm: float) -> list[str]:
+def check(results: list[dict], rtol: float) -> list[str]:
     problems = []
     for r in results:
         if not all(math.isfinite(x) for x in r["losses"]):
             problems.append(f"speculation {r['speculation']}: non-finite loss in {r['losses']}")
-        unclipped = any(n <= max_grad_norm for n in r["grad_norms"][1:])
+        unclipped = any(n <= r["max_grad_norm"] for n in r["grad_norms"][1:])
         if r["speculation"] == "on" and unclipped and r["counters"]["speculative_steps"] == 0:
             problems.append("speculation on: steps below --max-grad-norm, yet no step was speculative")
+    for threshold in sorted({r["max_grad_norm"] for r in results}):
+        problems += _same_losses([r for r in results if r["max_grad_norm"] == threshold], rtol)
+    return problems
+
+
+def _same_losses(results: list[dict], rtol: float) -> list[str]:
+    problems = []
     for r in results[1:]:
         for step, (a, b) in enumerate(zip(results[0]["losses"], r["losses"])):
             if abs(a - b) > rtol * abs(b):
@@ -156,13 +173,16 @@ def check(results: list[dict], rtol: float, max_grad_norm: float) -> list[str]:
 def markdown(args, results: list[dict]) -> str:
     head = (f"{results[0]['params'] / 1e9:.2f}B-parameter Llama, {args.layers} layers, hidden {args.hidden}, "
             f"seq {args.seq} x batch {args.batch}, {args.dtype} on {args.device}")
-    rows = ["| speculation | step (s) | tokens/s | peak device GiB | host wait/step (s) | spec. steps | "
-            "rollbacks | replays | skips | buckets (device) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| speculation | max_grad_norm | step (s) | predicted (s) | tokens/s | peak device GiB | "
+            "peak host RSS GiB | device idle/step (s) | thread wait/step (s) | spec. steps | rollbacks | "
+            "replays | skips | buckets (device) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c = r["counters"]
-        rows.append(f"| {r['speculation']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:.0f} | "
-                    f"{r['peak_device_memory_gib']:.2f} | {r['device_wait_seconds_per_step']:.3f} | "
+        rows.append(f"| {r['speculation']} | {r['max_grad_norm']:g} | {r['step_seconds']:.3f} | "
+                    f"{r['predicted_step_seconds']:.3f} | {r['tokens_per_second']:.0f} | "
+                    f"{r['peak_device_memory_gib']:.2f} | {r['peak_host_rss_gib']:.2f} | "
+                    f"{r['device_wait_seconds_per_step']:.3f} | {r['thread_wait_seconds_per_step']:.3f} | "
                     f"{c['speculative_steps']} | {c['rollbacks']} | {c['replays']} | {c['skips']} | "
                     f"{r['buckets']} ({r['device_buckets']}) |")
     return "\n".join([f"# train_llama: {head}", "", *rows, "", f"`{results[0]['summary']}`", ""])
@@ -173,8 +193,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [run_mode(args, mode.strip()) for mode in args.speculation.split(",")]
-    problems = check(results, args.loss_rtol, args.max_grad_norm)
+    thresholds = [float(x) for x in str(args.max_grad_norm).split(",")]
+    results = [run_mode(args, mode.strip(), threshold) for threshold in thresholds
+               for mode in args.speculation.split(",")]
+    problems = check(results, args.loss_rtol)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results,
                                                   "problems": problems}, indent=2))
     (out / "results.md").write_text(markdown(args, results) + "".join(f"\nFAIL: {p}" for p in problems))
@@ -186,6 +208,18 @@ def main(argv=None) -> int:
 
 def _peak_gib(args) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0.0
+
+
+def _peak_rss_gib() -> float:
+    """The process's peak resident memory (the host state is in it), from /proc (Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 2**30
+    except OSError:
+        pass
+    return 0.0
 
 
 def _auto_or_int(value: str):

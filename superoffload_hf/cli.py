@@ -94,7 +94,10 @@ def train_command(argv: Sequence[str]) -> int:
         for warning in recipe.warnings:
             print(f"superoffload train: warning: {warning}", file=sys.stderr)
         if dry_run:
+            from superoffload_hf.train.footprint import memory_report
+
             print(_dump_yaml(recipe.to_dict()), end="")
+            print(memory_report(recipe))
             return 0
         summary = train(recipe)
     except (RecipeError, ConfigError, CorruptStateError, ResumeError) as exc:

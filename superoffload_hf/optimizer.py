@@ -89,6 +89,10 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
                 p.grad = None
 
     def state_dict(self) -> dict:
+        """torch.optim's layout (see superoffload_hf.engine.checkpoint). As in torch.optim, the
+        state tensors reference the live state (views of the host buffers, no copy): they change
+        as training goes on, and writing into them changes the optimizer. `copy.deepcopy` it to
+        keep a snapshot in memory; `torch.save` it to keep one on disk."""
         return checkpoint.state_dict(self._engine, self.param_groups)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

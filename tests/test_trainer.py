@@ -9,6 +9,8 @@ are stepped on the host during backward, and rolled back and replayed when the s
 
 from __future__ import annotations
 
+import copy
+
 import json
 import os
 import subprocess
@@ -220,7 +222,8 @@ class StopAt(TrainerCallback):
 
 class CaptureOptimizerState(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        self.state_dict = unwrap_optimizer(optimizer).state_dict()
+        # a snapshot: state_dict() references the live state (as torch.optim's does)
+        self.state_dict = copy.deepcopy(unwrap_optimizer(optimizer).state_dict())
 
 
 def assert_nested_equal(actual, expected, where="state_dict"):

@@ -42,6 +42,8 @@ def _sanitizer_in_this_thread():
 
 class AcceleratorRuntime:
     is_async = True
+    # torch's caching host allocator rounds every page-locked block up to a power of two
+    pinned_rounds_to_power_of_two = True
 
     def __init__(self, device: torch.device):
         if device.index is None:

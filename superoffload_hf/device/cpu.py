@@ -15,6 +15,7 @@ from superoffload_hf.device.runtime import NullEvent, NullStream, nothing
 
 class CpuRuntime:
     is_async = False
+    pinned_rounds_to_power_of_two = False  # nothing is pinned
     name = "cpu"
 
     def __init__(self):

@@ -1,61 +1,122 @@
 """The buckets at run time: the plan, each bucket's runtime and buffers, which parameter lives
 where, and each parameter's Adam step count. Also the per-parameter state interface that
-checkpoints and re-planning go through (`export_param`, `import_param`)."""
+checkpoints go through (`export_param`, `import_param`).
+
+Host buffers are one arena per kind (memory.py), device-resident buckets' buffers are device
+tensors of their own; every allocation goes through the Ledger, whose figures `footprint`
+predicts. Re-planning moves one kind at a time (allocate the new plan's buffers of that kind,
+copy, free the old), so the host never holds more than the state plus one kind's arena."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime
+from superoffload_hf.engine.memory import STATE_KINDS, BufferPolicy, HostArena, Ledger
 from superoffload_hf.engine.plan import BucketPlan, ParamSlot
+
+FP32 = torch.float32
 
 
 class BucketSet:
-    def __init__(self, params: list[torch.Tensor], layout, transfer, cast: str):
+    def __init__(self, params: list[torch.Tensor], policy: BufferPolicy, runtime):
         self.params = params
         self.index_of = {p: i for i, p in enumerate(params)}
-        self.layout, self.transfer, self.cast = layout, transfer, cast
+        self.policy, self.runtime = policy, runtime
+        self.ledger = Ledger()
         self.param_steps = [0] * len(params)
         self.runtimes: list[BucketRuntime] = []
+        self.arenas: dict[str, HostArena] = {}
         self.plan: BucketPlan = None  # set by install()
 
-    def install(self, plan: BucketPlan, state_of: Callable[[int, ParamSlot, BucketBuffers], None]) -> None:
-        """Build buffers for `plan` and fill them through state_of(param index, slot, bufs)."""
-        self.plan = plan
-        self.runtimes = []
-        self.where: dict[int, tuple[BucketRuntime, int]] = {}
-        for bucket in plan.buckets:
-            bufs = self.layout.allocate(bucket, self.transfer, self.cast)
-            rt = BucketRuntime(bucket, bufs, [self.params[s.index] for s in bucket.slots])
-            for k, slot in enumerate(bucket.slots):
-                state_of(slot.index, slot, bufs)
-                self.where[slot.index] = (rt, k)
-            self.runtimes.append(rt)
-        self.runtime_of = {self.params[i]: rt for i, (rt, _) in self.where.items()}
-
-    def initial_state(self, index: int, slot: ParamSlot, bufs: BucketBuffers) -> None:
-        # fp32 masters from the parameters as given (an fp32 model keeps full precision).
-        bufs.view(bufs.master, slot).copy_(self.params[index].detach().reshape(-1))
-        if bufs.lowp is not None:
-            bufs.view(bufs.lowp, slot).copy_(bufs.view(bufs.master, slot))
+    def install(self, plan: BucketPlan) -> None:
+        """Buffers for `plan`, masters from the parameters as given (an fp32 model keeps full
+        precision), moments zero."""
+        bufs = self._new_buffers(plan)
+        for kind in self._kinds():
+            self._allocate_kind(plan, bufs, kind)
+            for b, bb in zip(plan.buckets, bufs):
+                flat = getattr(bb, kind)
+                if flat is None:
+                    continue
+                if kind == "master":
+                    for slot in b.slots:
+                        BucketBuffers.view(flat, slot).copy_(self.params[slot.index].detach().reshape(-1))
+                elif kind == "lowp":
+                    flat.copy_(bb.master)
+                else:
+                    flat.zero_()
+        self._set_runtimes(plan, bufs)
 
     def replan(self, plan: BucketPlan) -> None:
-        """Move every parameter's state into the buffers of a new plan. The caller has waited
-        for every queued job (nothing may touch the old buffers any more)."""
-        old = {s.index: (rt, s) for rt in self.runtimes for s in rt.bucket.slots}
-        left = {rt: len(rt.bucket.slots) for rt in self.runtimes}
+        """Move every parameter's state into the buffers of a new plan, one kind at a time.
+        The caller has waited for every queued job (nothing may touch the old buffers any more)."""
+        old = {s.index: (rt.bufs, s) for rt in self.runtimes for s in rt.bucket.slots}
+        old_bufs = [rt.bufs for rt in self.runtimes]
+        for bb in old_bufs:
+            bb.drop_transients()
+        bufs = self._new_buffers(plan)
+        for kind in self._kinds():
+            self.arenas.pop(kind, None)  # the old arena goes with the old views below
+            self._allocate_kind(plan, bufs, kind)
+            for b, bb in zip(plan.buckets, bufs):
+                flat = getattr(bb, kind)
+                if flat is None:
+                    continue
+                if kind in STATE_KINDS:
+                    for slot in b.slots:
+                        theirs, their_slot = old[slot.index]
+                        BucketBuffers.view(flat, slot).copy_(BucketBuffers.view(getattr(theirs, kind), their_slot))
+                elif kind == "lowp":
+                    flat.copy_(bb.master)
+                else:
+                    flat.zero_()
+            for bb in old_bufs:
+                setattr(bb, kind, None)  # the last views of the old buffers of this kind: freed now
+        self._set_runtimes(plan, bufs)
 
-        def move(index: int, slot: ParamSlot, bufs: BucketBuffers) -> None:
-            rt, old_slot = old[index]
-            bufs.copy_param_from(rt.bufs, old_slot, slot)
-            left[rt] -= 1
-            if left[rt] == 0:
-                rt.bufs = None  # free it now: peak memory stays near one copy of the state
+    def _kinds(self) -> tuple[str, ...]:
+        # master before lowp (lowp is filled from it); grad last (it holds nothing between steps)
+        return tuple(k for k in ("master", "lowp", "exp_avg", "exp_avg_sq", "grad")
+                     if k != "lowp" or self.policy.lowp_dtype is not None)
 
-        self.install(plan, move)
+    def _new_buffers(self, plan: BucketPlan) -> list[BucketBuffers]:
+        return [BucketBuffers(b.numel, not b.device_resident, self._transient_alloc(b.numel))
+                for b in plan.buckets]
+
+    def _transient_alloc(self, numel: int):
+        def alloc(kind: str, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+            place = "pinned" if pinned and self.policy.pin else "host"
+            return self.ledger.allocate(self.runtime, kind, place, numel, dtype)
+        return alloc
+
+    def _allocate_kind(self, plan: BucketPlan, bufs: list[BucketBuffers], kind: str) -> None:
+        """The new plan's buffers of one kind: a host arena for the host buckets, a device
+        tensor per device-resident bucket (master, moments and gradient only)."""
+        host = [k for k, b in enumerate(plan.buckets) if not b.device_resident]
+        kinds = self.policy.host_kinds()
+        if kind in kinds and host:
+            dtype, pinned = kinds[kind]
+            arena = HostArena(kind, [plan.buckets[k].numel for k in host], dtype, pinned,
+                              self.policy.rounds_pinned, self.runtime, self.ledger)
+            self.arenas[kind] = arena
+            for j, k in enumerate(host):
+                setattr(bufs[k], kind, arena.view(j))
+        if kind != "lowp":
+            for k, b in enumerate(plan.buckets):
+                if b.device_resident:
+                    setattr(bufs[k], kind, self.ledger.allocate(self.runtime, kind, "device", b.numel, FP32))
+
+    def _set_runtimes(self, plan: BucketPlan, bufs: list[BucketBuffers]) -> None:
+        self.plan = plan
+        self.runtimes = [BucketRuntime(b, bb, [self.params[s.index] for s in b.slots])
+                         for b, bb in zip(plan.buckets, bufs)]
+        self.where: dict[int, tuple[BucketRuntime, int]] = {
+            s.index: (rt, k) for rt in self.runtimes for k, s in enumerate(rt.bucket.slots)}
+        self.runtime_of = {self.params[i]: rt for i, (rt, _) in self.where.items()}
 
     def host(self) -> Iterator[BucketRuntime]:
         return (rt for rt in self.runtimes if not rt.bucket.device_resident)
@@ -70,7 +131,8 @@ class BucketSet:
         return rt, rt.bucket.slots[k]
 
     def export_param(self, index: int) -> dict[str, torch.Tensor]:
-        """CPU fp32 copies of master / exp_avg / exp_avg_sq, shaped like the parameter."""
+        """master / exp_avg / exp_avg_sq shaped like the parameter, CPU fp32: views of the live
+        host buffers (see BucketBuffers.export_param)."""
         rt, slot = self.slot_of(index)
         return rt.bufs.export_param(slot)
 

@@ -1,8 +1,9 @@
-"""The flat fp32 buffers of one bucket: master weights, Adam moments, gradient staging.
+"""The flat buffers of one bucket: master weights, Adam moments, gradient staging.
 
-A host bucket's buffers live in host memory (page-locked when the device is CUDA, via the
-allocator the engine passes in); a device-resident bucket's live on the device. The layout is
-the plan's: parameter `slot` occupies `[slot.offset, slot.offset + slot.numel)` of every buffer.
+A host bucket's buffers are views into the plan's host arenas (memory.py: one allocation per
+kind, page-locked only where the data crosses the link); a device-resident bucket's are its own
+device tensors. BucketSet sets them. The layout is the plan's: parameter `slot` occupies
+`[slot.offset, slot.offset + slot.numel)` of every buffer.
 
 * `grad`   fp32 accumulation of the bucket's gradients over the micro-batches of one step.
 * `recv`   (host, lazily) the landing buffer of a gradient copy that must be added to `grad`
@@ -17,21 +18,24 @@ from typing import Callable, Optional
 
 import torch
 
-from superoffload_hf.engine.plan import Bucket, ParamSlot
+from superoffload_hf.engine.memory import STATE_KINDS
+from superoffload_hf.engine.plan import ParamSlot
 
-Alloc = Callable[[int, torch.dtype], torch.Tensor]
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+# (kind, dtype, pinned) -> a new buffer of the bucket's numel, counted by the engine's Ledger
+Alloc = Callable[[str, torch.dtype, bool], torch.Tensor]
+STATE_KEYS = STATE_KINDS
 
 
 class BucketBuffers:
-    def __init__(self, bucket: Bucket, alloc: Alloc, lowp_dtype: Optional[torch.dtype] = None):
-        self.numel = bucket.numel
+    def __init__(self, numel: int, on_host: bool, alloc: Alloc):
+        self.numel = numel
+        self.on_host = on_host
         self._alloc = alloc
-        self.master = alloc(self.numel, torch.float32)
-        self.exp_avg = alloc(self.numel, torch.float32).zero_()
-        self.exp_avg_sq = alloc(self.numel, torch.float32).zero_()
-        self.grad = alloc(self.numel, torch.float32).zero_()
-        self.lowp = alloc(self.numel, lowp_dtype) if lowp_dtype is not None else None
+        self.master: Optional[torch.Tensor] = None  # set by BucketSet, kind by kind
+        self.exp_avg: Optional[torch.Tensor] = None
+        self.exp_avg_sq: Optional[torch.Tensor] = None
+        self.grad: Optional[torch.Tensor] = None
+        self.lowp: Optional[torch.Tensor] = None
         self.recv: Optional[torch.Tensor] = None
         self._snapshot: Optional[tuple[torch.Tensor, ...]] = None
 
@@ -41,12 +45,16 @@ class BucketBuffers:
 
     def recv_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         if self.recv is None or self.recv.dtype != dtype:
-            self.recv = self._alloc(self.numel, dtype)
+            self.recv = self._alloc("grad landing", dtype, True)  # a copy target: page-locked
         return self.recv
+
+    def drop_transients(self) -> None:
+        """Forget the landing buffer and the snapshot (re-planning: the buffers go)."""
+        self.recv = self._snapshot = None
 
     def take_snapshot(self) -> None:
         if self._snapshot is None:  # plain host memory: snapshots never cross the link
-            self._snapshot = tuple(torch.empty_like(t, pin_memory=False) for t in self._state())
+            self._snapshot = tuple(self._alloc("snapshot", torch.float32, False) for _ in STATE_KEYS)
         for saved, live in zip(self._snapshot, self._state()):
             saved.copy_(live)
 
@@ -61,19 +69,14 @@ class BucketBuffers:
     def _state(self) -> tuple[torch.Tensor, ...]:
         return (self.master, self.exp_avg, self.exp_avg_sq)
 
-    # ---- per-parameter import / export (checkpoints, re-planning) -------------------------
+    # ---- per-parameter import / export (checkpoints) --------------------------------------
 
     def export_param(self, slot: ParamSlot) -> dict[str, torch.Tensor]:
-        """CPU fp32 copies shaped like the parameter."""
-        return {key: self.view(flat, slot).detach().to("cpu", torch.float32, copy=True).view(slot.shape)
+        """master / exp_avg / exp_avg_sq of one parameter as CPU fp32 tensors shaped like it:
+        views of the live buffers for a host bucket (no copy, as torch.optim's state_dict
+        references its state), copies for a device-resident bucket."""
+        return {key: self.view(flat, slot).detach().view(slot.shape).to("cpu")
                 for key, flat in zip(STATE_KEYS, self._state())}
-
-    def copy_param_from(self, other: "BucketBuffers", other_slot: ParamSlot, slot: ParamSlot) -> None:
-        """One parameter's state from another bucket's buffers (re-planning), any devices."""
-        for mine, theirs in zip(self._state(), other._state()):
-            self.view(mine, slot).copy_(self.view(theirs, other_slot))
-        if self.lowp is not None:
-            self.view(self.lowp, slot).copy_(self.view(self.master, slot))
 
     def import_param(self, slot: ParamSlot, values: dict[str, torch.Tensor]) -> None:
         """Copy master / exp_avg / exp_avg_sq of one parameter in, from any device and dtype."""

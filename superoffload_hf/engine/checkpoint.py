@@ -6,7 +6,15 @@
                       "counters": {..}, "plan": None | {"ready_order", "deferred", "device_buckets"},
                       "checksums": {i: {"exp_avg": crc32, "exp_avg_sq": crc32, "master_param": crc32}}}}
 
-As in torch.optim, a parameter has an entry only once it has been stepped. Tensors are shaped
+As in torch.optim, a parameter has an entry only once it has been stepped, and the tensors
+reference the live state: a host bucket's are views of its buffers (saving the state dict adds
+no copy of the state; `torch.save` writes each buffer once however many views point into it),
+a device-resident bucket's are CPU copies. So a state dict taken with `state_dict()` and read
+later shows the state as it is then (and, after the plan changed, the buffers as they were
+when it was taken); writing into it writes into the optimizer's masters and moments (the
+device weights follow at the next step, or at `load_state_dict`). `copy.deepcopy` it to keep
+a snapshot in memory. The checksums describe the state when `state_dict()` ran: save the state
+dict before training goes on (as the Trainer does), or a later load refuses it. Tensors are shaped
 like their parameter, so a checkpoint loads under another bucket size or
 device-bucket count; `torch.load(weights_only=True)` reads it, with any `map_location`.
 Loading copies everything back into the engine's fp32 buffers (host or device) and refreshes the
@@ -125,7 +133,9 @@ def _check_checksums(saved_state: Mapping[int, Mapping[str, Any]], checksums: An
             if key in entry and tensor_crc32(entry[key]) != int(expected):
                 raise CorruptStateError(
                     f"The optimizer state is corrupt: state[{index}][{key!r}] does not match the checksum "
-                    "saved with it (the file was damaged after it was written). Resume from an earlier "
+                    "saved with it (the file was damaged after it was written, or the state dict was saved "
+                    "after training went on past `state_dict()`: its tensors are views of the live state). "
+                    "Resume from an earlier "
                     "checkpoint, or, deliberately, resume the model weights only with a fresh optimizer."
                 )
 

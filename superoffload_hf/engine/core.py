@@ -35,6 +35,7 @@ from superoffload_hf.engine.jobs import HostJobs
 from superoffload_hf.engine.layout import FireLog, LayoutBuilder
 from superoffload_hf.engine.lifecycle import BucketState
 from superoffload_hf.engine.loss_scale import make_loss_scale
+from superoffload_hf.engine.memory import footprint
 from superoffload_hf.engine.observe import StepObserver
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
@@ -93,8 +94,9 @@ class Engine:
         self.policy = SpeculationPolicy(config.speculation, config.speculation_window,
                                         config.speculation_max_rollback_rate)
         self.loss_scale = make_loss_scale(config)
-        self.buckets = BucketSet(self.params, self.layout, self.transfer, self.cast)
-        self.buckets.install(self.layout.initial_plan(), self.buckets.initial_state)
+        self.buckets = BucketSet(self.params, self.layout.buffer_policy(
+            self.cast, self.transfer.pin_memory, self.runtime.pinned_rounds_to_power_of_two), self.runtime)
+        self.buckets.install(self.layout.initial_plan())
         self.layout.cast_params_in_place()
         self.runtime.adopt(self.params)
         self.step_state = StepState(param_groups, self.buckets.param_steps, self.loss_scale)
@@ -224,6 +226,11 @@ class Engine:
                         "device_buckets": int(learned["device_buckets"])}
         self.replan(self.layout.plan(self.learned["device_buckets"], self.learned["ready_order"],
                                      self.learned["deferred"]))
+
+    def footprint(self) -> list:
+        """What the current plan allocates, per buffer kind (memory.footprint: the arithmetic
+        the allocation itself uses); `self.buckets.ledger` has what the engine holds now."""
+        return footprint(self.plan, self.buckets.policy)
 
     # ---- per-parameter state (checkpoints) ---------------------------------------------------
 

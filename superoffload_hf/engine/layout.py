@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.plan import Bucket, BucketPlan, auto_bucket_numel
+from superoffload_hf.engine.memory import BufferPolicy, FootprintRow, footprint
+from superoffload_hf.engine.plan import BucketPlan, auto_bucket_numel
 
 logger = logging.getLogger("superoffload_hf")
 
@@ -131,10 +131,14 @@ class LayoutBuilder:
         """The dtype of the host-side low-precision copy the kernel writes, if any."""
         return self.dtype if cast == "host" and self.dtype != torch.float32 else None
 
-    def allocate(self, bucket: Bucket, transfer, cast: str) -> BucketBuffers:
-        if bucket.device_resident:
-            return BucketBuffers(bucket, transfer.device_empty)
-        return BucketBuffers(bucket, transfer.host_empty, self.lowp_dtype(cast))
+    def buffer_policy(self, cast: str, pin: bool, rounds_pinned: bool,
+                      accumulation_steps: Optional[int] = None) -> BufferPolicy:
+        """Which buffers the buckets get, in which dtypes, page-locked or not (memory.py)."""
+        steps = self.config.gradient_accumulation_steps if accumulation_steps is None else accumulation_steps
+        return BufferPolicy(device_dtype=self.dtype, link_dtype=self.link_dtype(cast),
+                            lowp_dtype=self.lowp_dtype(cast), pin=pin,
+                            snapshot=self.config.rollback == "snapshot", accumulates=steps > 1,
+                            rounds_pinned=rounds_pinned)
 
     def cast_params_in_place(self) -> None:
         for p in self.params:
@@ -180,3 +184,16 @@ def common_device(params: list[torch.Tensor]) -> torch.device:
 def _label(group: dict) -> str:
     return (f"lr={group['lr']:g} betas={tuple(group['betas'])} eps={group['eps']:g} "
             f"weight_decay={group['weight_decay']:g} ({len(group['params'])} params)")
+
+
+def estimate(params: list[torch.Tensor], groups: list[dict], config, accelerator: bool,
+             accumulation_steps: int = 1) -> tuple[BucketPlan, list[FootprintRow]]:
+    """The first plan and what it allocates, without a device or a byte of state: `params` may
+    live on the meta device (`superoffload train --dry-run`). On an accelerator, cast "auto" is
+    taken as "host" (a PCIe-class link) and device_buckets "auto" as 0 (decided after step 1)."""
+    layout = LayoutBuilder(params, groups, config)
+    cast = config.cast if config.cast != "auto" else ("host" if accelerator else "device")
+    pin = accelerator and config.pin_memory in (True, "auto")  # as Transfer decides
+    policy = layout.buffer_policy(cast, pin, rounds_pinned=accelerator, accumulation_steps=accumulation_steps)
+    plan = layout.initial_plan()
+    return plan, footprint(plan, policy)

@@ -209,6 +209,7 @@ def _forward_hook(runtime_ref, module, args, output):
 
 class SimRuntime:
     is_async = True
+    pinned_rounds_to_power_of_two = False  # emulated pinning: exact sizes
     name = "sim:0"
 
     _shared: Optional["SimRuntime"] = None

@@ -1,0 +1,207 @@
+"""Where the bytes go: the buffers a plan needs, per kind and place, and the host arenas that
+hold them. The same code sizes the allocations (`HostArena`, `BucketSet`) and the estimate that
+`superoffload train --dry-run` and `optimizer.describe()` print (`footprint`), so the two cannot
+drift apart.
+
+Kinds of a host bucket, each one arena (one allocation, or a few power-of-two segments where
+the runtime rounds page-locked blocks up) that the buckets are views into:
+
+* `master`     fp32; page-locked when it crosses the link (cast "device": copied to the device)
+* `exp_avg`,   fp32, plain host memory: the moments never cross the link
+  `exp_avg_sq`
+* `grad`       fp32 gradient staging; page-locked when gradients land in it (an fp32 link)
+* `lowp`       (cast "host") the low-precision copy the kernel writes; page-locked, it crosses
+
+Besides: `snapshot` (rollback "snapshot": master and moments before a speculative step, plain),
+`landing` (a gradient copy that is cast or added to `grad` lands here first: a low-precision
+link, or accumulation over micro-batches; page-locked), the device-resident buckets (fp32
+master, moments and gradient on the device), the device parameters, and the transient buffers
+of one bucket in flight (a gradient round and a copy-back staging buffer, on the device).
+
+Places: "device", "pinned" (page-locked host), "host" (plain host). On the CPU runtime the
+device is the host and nothing is pinned.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from superoffload_hf.engine.plan import BucketPlan
+
+ALIGN_NUMEL = 64  # every bucket starts 64 elements (>= one cache line, any dtype) into its arena
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+HOST_KINDS = STATE_KINDS + ("grad", "lowp")
+FP32 = torch.float32
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class BufferPolicy:
+    """The engine's decisions that fix which buffers exist, their dtypes and whether they are
+    page-locked (from the config and the runtime; see LayoutBuilder)."""
+
+    device_dtype: torch.dtype
+    link_dtype: torch.dtype  # the dtype in which gradients cross to the host
+    lowp_dtype: Optional[torch.dtype]  # cast "host": the host-side low-precision copy
+    pin: bool  # page-lock what crosses the link (an accelerator with pin_memory on)
+    snapshot: bool  # rollback "snapshot"
+    accumulates: bool  # more than one micro-batch per step
+    rounds_pinned: bool = False  # the runtime rounds a page-locked block up to a power of two
+
+    def host_kinds(self) -> dict[str, tuple[torch.dtype, bool]]:
+        """kind -> (dtype, page-locked) of every arena a host bucket has."""
+        kinds = {"master": (FP32, self.pin and self.lowp_dtype is None),
+                 "exp_avg": (FP32, False), "exp_avg_sq": (FP32, False),
+                 "grad": (FP32, self.pin and self.link_dtype == FP32)}
+        if self.lowp_dtype is not None:
+            kinds["lowp"] = (self.lowp_dtype, self.pin)
+        return kinds
+
+    @property
+    def landing(self) -> bool:
+        """Whether host buckets need a landing buffer for gradient copies (see collect.flush)."""
+        return self.link_dtype != FP32 or self.accumulates
+
+
+# ---- arenas ----------------------------------------------------------------------------------
+
+
+def _aligned(numel: int) -> int:
+    return -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def arena_layout(numels: Sequence[int], power_of_two: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+    """Segments of an arena holding buffers of `numels` elements, and each buffer's
+    (segment, offset). One segment, unless `power_of_two` (the runtime rounds every block up to
+    a power of two): then segments of power-of-two sizes that buffers do not straddle, so the
+    rounding wastes less than one buffer per segment instead of up to the arena's size."""
+    sizes = [_aligned(n) for n in numels]
+    if not power_of_two:
+        return [sum(sizes)], [(0, sum(sizes[:k])) for k in range(len(sizes))]
+    segments: list[int] = []
+    used: list[int] = []
+    places: list[tuple[int, int]] = [(0, 0)] * len(sizes)
+    rest = sum(sizes)
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):  # largest first: least waste
+        if not segments or used[-1] + sizes[k] > segments[-1]:
+            segments.append(max(_pow2_floor(rest), _pow2_ceil(sizes[k])))
+            used.append(0)
+        places[k] = (len(segments) - 1, used[-1])
+        used[-1] += sizes[k]
+        rest -= sizes[k]
+    return segments, places
+
+
+class Ledger:
+    """The engine's own accounting of the buffers it holds: live and peak bytes per
+    (kind, place). A buffer counts from its allocation until the engine drops it."""
+
+    def __init__(self):
+        self.live: dict[tuple[str, str], int] = defaultdict(int)
+        self.peak_total = 0
+        self.peak: dict[str, int] = defaultdict(int)  # per place
+
+    def allocate(self, runtime, kind: str, place: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if place == "device":
+            t = runtime.device_empty(numel, dtype)
+        else:
+            t = runtime.host_empty(numel, dtype, pinned=place == "pinned")
+        nbytes = numel * t.element_size()
+        self._add(kind, place, nbytes)
+        weakref.finalize(t, self._add, kind, place, -nbytes)
+        return t
+
+    def _add(self, kind: str, place: str, nbytes: int) -> None:
+        self.live[(kind, place)] += nbytes
+        self.peak[place] = max(self.peak[place], self.bytes(place))
+        self.peak_total = max(self.peak_total, self.bytes())
+
+    def bytes(self, place: Optional[str] = None, kind: Optional[str] = None) -> int:
+        return sum(b for (k, p), b in self.live.items()
+                   if (place is None or p == place) and (kind is None or k == kind))
+
+    def reset_peak(self) -> None:
+        self.peak = defaultdict(int, {p: self.bytes(p) for _, p in self.live})
+        self.peak_total = self.bytes()
+
+
+class HostArena:
+    """One kind's host buffer for every host bucket of a plan; `view(k)` is host bucket k's."""
+
+    def __init__(self, kind: str, numels: Sequence[int], dtype: torch.dtype, pinned: bool,
+                 power_of_two: bool, runtime, ledger: Ledger):
+        self.kind = kind
+        self.numels = list(numels)
+        segments, self.places = arena_layout(self.numels, power_of_two and pinned)
+        place = "pinned" if pinned else "host"
+        self.segments = [ledger.allocate(runtime, kind, place, n, dtype) for n in segments]
+
+    def view(self, k: int) -> torch.Tensor:
+        segment, offset = self.places[k]
+        return self.segments[segment][offset:offset + self.numels[k]]
+
+
+# ---- the estimate ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FootprintRow:
+    what: str
+    place: str  # "device", "pinned", "host"
+    nbytes: int
+    transient: bool = False
+
+
+def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
+    """What the engine allocates for `plan` under `policy`, row by row (the allocation's own
+    arithmetic: `arena_layout` and the buffer kinds of `policy`)."""
+    host = [b.numel for b in plan.buckets if not b.device_resident]
+    on_device = sum(b.numel for b in plan.buckets if b.device_resident)
+    largest = max((b.numel for b in plan.buckets), default=0)
+    rows = [FootprintRow("device params", "device", plan.total_numel * _size(policy.device_dtype))]
+    if on_device:
+        rows.append(FootprintRow("device-resident buckets", "device", on_device * 4 * 4))
+    for kind, (dtype, pinned) in policy.host_kinds().items():
+        segments, _ = arena_layout(host, policy.rounds_pinned and pinned)
+        rows.append(FootprintRow(kind if kind != "grad" else "grad staging",
+                                 "pinned" if pinned else "host", sum(segments) * _size(dtype)))
+    if policy.snapshot:
+        rows.append(FootprintRow("snapshot", "host", sum(host) * 3 * 4))
+    if policy.landing and host:
+        rows.append(FootprintRow("grad landing", "pinned" if policy.pin else "host",  # one per bucket
+                                 sum(_landing_bytes(n * _size(policy.link_dtype), policy) for n in host)))
+    rows.append(FootprintRow("transient (one bucket)", "device",
+                             largest * (_size(policy.link_dtype) + _size(policy.lowp_dtype or FP32)),
+                             transient=True))
+    return rows
+
+
+def _landing_bytes(nbytes: int, policy: BufferPolicy) -> int:
+    return _pow2_ceil(nbytes) if policy.pin and policy.rounds_pinned else nbytes
+
+
+def format_footprint(rows: Sequence[FootprintRow], num_params: int) -> str:
+    lines = [f"  {'buffer':<26}{'place':<8}{'GB':>10}{'B/param':>9}"]
+    for r in rows:
+        lines.append(f"  {r.what:<26}{r.place:<8}{r.nbytes / 1e9:>10.3f}{r.nbytes / max(num_params, 1):>9.2f}")
+    for place in ("device", "pinned", "host"):
+        total = sum(r.nbytes for r in rows if r.place == place)
+        if total:
+            lines.append(f"  {'total ' + place:<26}{'':<8}{total / 1e9:>10.3f}{total / max(num_params, 1):>9.2f}")
+    return "\n".join(lines)
