@@ -12,6 +12,10 @@ from _dist import run_ranks
 pytestmark = pytest.mark.timeout(180)
 
 
+def _both(rank: int, world: int) -> list:
+    return [_exercise(rank, world, False), _exercise(rank, world, True)]
+
+
 def _exercise(rank: int, world: int, subgroups: bool) -> dict:
     import threading
 
@@ -51,9 +55,16 @@ def _exercise(rank: int, world: int, subgroups: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world, subgroups", [(2, False), (4, False), (4, True)])
-def test_collectives_average_gather_and_reduce(world, subgroups):
-    results = run_ranks(_exercise, world, subgroups)
+@pytest.fixture(scope="module")
+def four_ranks():
+    """Every rank's results, the whole world as one shard group and then pairs (one spawn)."""
+    return run_ranks(_both, 4)
+
+
+@pytest.mark.parametrize("subgroups", [False, True])
+def test_collectives_average_gather_and_reduce(four_ranks, subgroups):
+    world = 4
+    results = [r[int(subgroups)] for r in four_ranks]
     mean_factor = sum(r + 1 for r in range(world)) / world  # flat is arange * (rank + 1)
     for rank, out in enumerate(results):
         shard_world = 2 if subgroups else world

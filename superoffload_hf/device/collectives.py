@@ -28,8 +28,10 @@ copy-backs in bucket order).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -47,6 +49,9 @@ class Topology:
     shard_world: int  # ranks that split the state (the shard group's size)
     shard_rank: int  # this rank's shard index
     shard_groups: tuple[tuple[int, ...], ...]  # every shard group's global ranks, sorted
+    local_rank: int = 0  # among the ranks on this host
+    local_world: int = 1  # ranks on this host
+    local_numa_nodes: tuple = ()  # per local rank: the NUMA node of its device (None: unknown)
 
     @property
     def replicas(self) -> int:
@@ -87,9 +92,11 @@ class Collectives:
         self.has_reduce_scatter = True  # False after gloo refused one (see reduce_scatter_mean)
 
     @classmethod
-    def create(cls, process_group=None, timeout: Optional[datetime.timedelta] = None) -> Optional["Collectives"]:
+    def create(cls, process_group=None, timeout: Optional[datetime.timedelta] = None,
+               numa_node: Optional[int] = None) -> Optional["Collectives"]:
         """None when this process trains alone (no process group, or a world of one rank and no
-        `process_group`). Every rank must call this at the same point (it creates groups)."""
+        `process_group`). Every rank must call this at the same point (it creates groups).
+        `numa_node`: of this rank's device, shared with the other ranks of its host."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -105,8 +112,12 @@ class Collectives:
             raise ValueError(f"Rank {rank} is not a member of the `process_group` given to the optimizer "
                              f"(ranks {own}); pass each rank the group it belongs to.")
         everyone: list = [None] * world
-        dist.all_gather_object(everyone, own)  # learn every rank's group: new_group is collective
-        topology = Topology.from_groups(world, rank, everyone)
+        host = socket.gethostname()
+        dist.all_gather_object(everyone, (own, host, numa_node))  # every rank's group (new_group is collective)
+        topology = Topology.from_groups(world, rank, [g for g, _, _ in everyone])
+        local = [r for r in range(world) if everyone[r][1] == host]
+        topology = dataclasses.replace(topology, local_rank=local.index(rank), local_world=len(local),
+                                       local_numa_nodes=tuple(everyone[r][2] for r in local))
         kw = {} if timeout is None else {"timeout": timeout}
 
         def groups_for(member_lists):
@@ -143,7 +154,8 @@ class Collectives:
             try:
                 _reduce_scatter(dist)(shard_dev, flat_dev, group=self.grad_group)
             except (RuntimeError, NotImplementedError) as error:  # a gloo without reduce-scatter
-                if self.backend != "gloo":
+                unsupported = isinstance(error, NotImplementedError) or "support" in str(error).lower()
+                if self.backend != "gloo" or not unsupported:  # a peer failed: not a capability
                     raise
                 logger.warning("SuperOffload: %s has no reduce-scatter (%s); using all-reduce + slice "
                                "(2x the gradient traffic)", self.backend, str(error).splitlines()[0])
@@ -186,6 +198,11 @@ class Collectives:
 
         for t in tensors:
             dist.broadcast(t, src=src, group=self.world_group)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.world_group)
 
     def broadcast_object(self, obj, src: int = 0):
         import torch.distributed as dist

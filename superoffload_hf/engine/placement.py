@@ -13,10 +13,11 @@ share is taken from the affinity list alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -114,3 +115,36 @@ def _ranges(cores: Sequence[int]) -> str:
         else:
             runs.append([c])
     return ",".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "none"
+
+
+def host_placement(explicit: Optional[Sequence[int]], collectives, numa_node: Optional[int]) -> Optional[Placement]:
+    """This rank's host cores: explicit (config `host_cores`), or its share of this host under
+    data parallelism (on its GPU's NUMA node when known); None: the single-process default
+    (`host_threads`, every core but one)."""
+    if explicit is None and collectives is None:
+        return None
+    t = collectives.topology if collectives is not None else None
+    sharing = None
+    if t is not None and numa_node is not None:  # the local ranks whose GPU sits on this node
+        sharing = [r for r, n in enumerate(t.local_numa_nodes) if n == numa_node]
+    return choose_cores(sorted(os.sched_getaffinity(0)), local_rank=t.local_rank if t else 0,
+                        local_world=t.local_world if t else 1, numa_node=numa_node,
+                        node_cpus=read_numa_nodes() if numa_node is not None else {},
+                        ranks_on_node=sharing, explicit=explicit)
+
+
+@contextlib.contextmanager
+def bound_to(placement: Optional[Placement]) -> Iterator[None]:
+    """The calling thread on `placement`'s cores for the duration: threads it creates (the host
+    Adam kernel's pool, when it is built or resized here) inherit them; restored afterwards. The
+    C++ pool has no affinity call of its own, so this is how its threads are placed."""
+    if placement is None or not hasattr(os, "sched_getaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    bound = bind_current_thread(placement.cores)
+    try:
+        yield
+    finally:
+        if bound:
+            os.sched_setaffinity(0, before)

@@ -161,9 +161,49 @@ def read_shards(directory: str) -> list[dict]:
     """Every rank's shard state dict in `directory`, memory-mapped: tensors are read only when
     a range of them is (each rank of a resumed run touches only its own ranges)."""
     files = shard_files(directory)
+    index = os.path.join(directory, OPTIMIZER_FILE)
+    if os.path.exists(index):  # the index save_sharded wrote: exactly its files
+        listed = torch.load(index, map_location="cpu", weights_only=True).get(INDEX_KEY)
+        if listed is not None:
+            files = [os.path.join(directory, name) for name in listed["files"]]
     if not files:
         raise FileNotFoundError(f"No sharded optimizer state (optimizer.shard-*-of-*.pt) in {directory}.")
     return [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in files]
+
+
+INDEX_KEY = "superoffload_sharded"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def write_sharded(optimizer, directory: str) -> list[str]:
+    """See SuperOffloadAdamW.save_sharded."""
+    os.makedirs(directory, exist_ok=True)
+    engine = optimizer._engine
+    index_path = os.path.join(directory, OPTIMIZER_FILE)
+    if engine.dp is None:
+        torch.save(optimizer.state_dict(), index_path)
+        return [index_path]
+    dp = engine.dp
+    written = []
+    if dp.coll.topology.rank in dp.coll.topology.shard_groups[0]:  # replicas hold the same shards
+        path = shard_path(directory, dp.rank, dp.world)
+        torch.save(optimizer.state_dict(), path)
+        written.append(path)
+    dp.coll.barrier()  # every shard is on disk before the index says the set is complete
+    if dp.coll.topology.rank == 0:
+        names = [os.path.basename(shard_path(directory, r, dp.world)) for r in range(dp.world)]
+        torch.save({INDEX_KEY: {"world": dp.world, "files": names, "format_version": SHARD_FORMAT_VERSION}},
+                   index_path)
+        written.append(index_path)
+    dp.coll.barrier()
+    return written
+
+
+def read_saved(directory: str) -> Any:
+    """Every rank's shards (memory-mapped) if `directory` has them, else its optimizer.pt."""
+    if shard_files(directory):
+        return read_shards(directory)
+    return torch.load(os.path.join(directory, OPTIMIZER_FILE), map_location="cpu", weights_only=True, mmap=True)
 
 
 def export_consolidated(directory: str, path: str) -> dict:
