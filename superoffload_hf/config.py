@@ -46,7 +46,8 @@ class SuperOffloadConfig:
     """"on": step each bucket on the host as soon as its gradients arrive, validate at
     `step()` (global norm, finiteness) and roll back / replay when validation fails. "off":
     step only after validation. "auto": speculate, but stop while recent steps roll back often
-    (early training) and resume once they stop."""
+    (early training) and resume once they stop; never on the CPU device, where nothing can
+    overlap the host step."""
 
     rollback: str = "inverse"
     """How a speculative step is undone. "inverse": invert the Adam update algebraically (a few
@@ -68,7 +69,8 @@ class SuperOffloadConfig:
     host_threads: Union[int, str] = AUTO
     """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on
     (sched_getaffinity) but one, left for the training thread, whatever OMP_NUM_THREADS says
-    (accelerate launch sets it to 1); at least one. The summary says what was chosen."""
+    (accelerate launch sets it to 1); at least one; all of them when the device is the CPU (host
+    jobs run inline there, while the training thread waits). The summary says what was chosen."""
 
     pin_memory: Union[bool, str] = AUTO
     """Page-lock the host buffers so copies are asynchronous. "auto": when the device is CUDA."""

@@ -6,6 +6,7 @@ tests/test_optimizer_*.py; these are the engine's own development checks.
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import threading
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from superoffload_hf import SuperOffloadAdamW, SuperOffloadConfig
+from superoffload_hf.device.transfer import GRAD_RING_SLOTS
 from superoffload_hf.engine.hooks import HeldGrad
 
 from _models import read_params
@@ -312,8 +314,9 @@ def test_step_returning_early_lets_the_next_forward_wait_per_bucket():
 
 def test_step_fences_the_device_stream_before_queuing_its_copy_backs():
     """On CUDA, the copy-backs queued by step() must wait for kernels queued before step() (an
-    evaluation forward between backward and step() reads the old weights): step() fences first."""
-    model, opt = make({"speculation": "off"})
+    evaluation forward between backward and step() reads the old weights): step() fences first.
+    (bf16: on the CPU, fp32 parameters are the masters themselves and nothing is copied back.)"""
+    model, opt = make({"speculation": "off", "device_dtype": "bf16"})
     transfer, log = opt._engine.transfer, []
     fence, to_device = transfer.fence, transfer.params_to_device
     transfer.fence = lambda: log.append("fence") or fence()
@@ -327,6 +330,107 @@ def test_step_fences_the_device_stream_before_queuing_its_copy_backs():
             opt.zero_grad()
     steps = " ".join(log).split("backward")[1:]
     assert len(steps) == 3 and all("copy" in s and s.index("fence") < s.index("copy") for s in steps), log
+
+
+def test_steps_after_the_first_allocate_no_device_buffers(device_mode):
+    """Gradient rounds go through the transfer's ring of device buffers and copy-backs through
+    one staging buffer: once the plan is learned (step 1), training allocates nothing on the
+    device, and the ring stays at GRAD_RING_SLOTS although the plan has more host buckets."""
+    model, opt = make({"speculation": "on", "device_buckets": 1, "bucket_size_mb": 0.001})
+    runtime, allocations = opt._engine.runtime, []
+    device_empty = runtime.device_empty
+    with opt:
+        for step in range(5):
+            if step == 2:
+                runtime.device_empty = lambda numel, dtype: allocations.append(numel) or device_empty(numel, dtype)
+            offload_step(model, opt, step, fixed_clip(step))
+        opt.synchronize()
+    del runtime.device_empty
+    assert allocations == []
+    assert len(list(opt._engine.buckets.host())) > GRAD_RING_SLOTS >= opt._engine.transfer.ring_slots
+    if device_mode == "sim":
+        assert opt._engine.transfer.ring_slots == GRAD_RING_SLOTS
+
+
+def _inside(p: torch.Tensor, flat: torch.Tensor) -> bool:
+    start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    return start <= p.data_ptr() < end
+
+
+def test_on_the_cpu_fp32_parameters_are_views_of_their_masters(device_mode):
+    """CPU + fp32: each host bucket's parameters live in its fp32 master buffer, after the
+    re-plan of step 1 too; speculative steps, rollbacks and replays update them in place, nothing
+    is copied back and no gradient crosses; every step matches torch. (The simulated device
+    keeps device parameters of their own.)"""
+    model, opt = make({"speculation": "on", "device_buckets": 1})
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    with opt:
+        for step in range(6):
+            want, threshold = reference_step(ref, ref_opt, step, clip_schedule(step))
+            offload_step(model, opt, step, threshold)
+            opt.synchronize()
+            assert_models_close(model, ref, f"step {step}")
+        aliased = [_inside(p, rt.bufs.master) for rt in opt._engine.buckets.host() for p in rt.params]
+        counters = opt.counters
+    assert counters.rollbacks > 0 and counters.replays > 0
+    if device_mode == "cpu":
+        assert all(aliased) and counters.bytes_h2d == 0 and counters.bytes_d2h == 0
+    else:
+        assert not any(aliased) and counters.bytes_h2d > 0 and counters.bytes_d2h > 0
+
+
+def test_aliased_parameters_save_with_safetensors_as_separate_tensors(device_mode, tmp_path):
+    """Each parameter has a storage of its own over its master's memory: safetensors refuses
+    tensors that share a storage, and accelerate's save_model would keep only one of them."""
+    from safetensors.torch import load_file, save_file
+
+    model, opt = make({"speculation": "on"})
+    with opt:
+        for step in range(2):
+            offload_step(model, opt, step, None)
+        opt.synchronize()
+        state = model.state_dict()
+        assert len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state)
+        save_file(state, tmp_path / "model.safetensors")
+        loaded = load_file(tmp_path / "model.safetensors")
+        assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("replace", ["data", "to_float64"])
+def test_replacing_a_parameters_storage_after_construction_is_refused_at_step(device_mode, replace):
+    """On the CPU with fp32 the parameters are the optimizer's masters: a parameter whose
+    storage user code replaced would silently stop training, so step() refuses it by name."""
+    model, opt = make({"speculation": "on"})
+    with opt:
+        offload_step(model, opt, 0, None)
+        with torch.no_grad():
+            if replace == "data":
+                model[0].weight.data = model[0].weight.data.clone()
+            else:
+                model.to(torch.float64)
+        loss_of(model, 1).backward()
+        if device_mode == "sim":
+            opt.step()  # separate device parameters: the copy-back writes whatever p.data is now
+            return
+        with pytest.raises(RuntimeError, match="no longer shares memory with the optimizer's fp32 master"):
+            opt.step()
+        opt.zero_grad()
+
+
+def test_loading_a_state_dict_updates_aliased_parameters_in_place(device_mode):
+    """load_state_dict writes the masters; on the CPU the parameters are those masters."""
+    model, opt = make({"speculation": "on"})
+    with opt:
+        for step in range(3):
+            offload_step(model, opt, step, None)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        sd = copy.deepcopy(opt.state_dict())  # state_dict() views the live state (torch convention)
+        offload_step(model, opt, 3, None)
+        opt.load_state_dict(sd)
+        opt.synchronize()
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, saved[name]), name
 
 
 def test_state_dict_round_trip_continues_bit_identically(tmp_path):
@@ -378,10 +482,10 @@ def worker_threads():
     return [t for t in threading.enumerate() if t.name == "superoffload-host"]
 
 
-def test_close_stops_the_worker_thread_and_removes_the_hooks():
+def test_close_stops_the_worker_thread_and_removes_the_hooks(device_mode):
     before = len(worker_threads())
     model, opt = make()
-    assert len(worker_threads()) == before + 1
+    assert len(worker_threads()) == before + (device_mode == "sim")  # the CPU device: jobs run inline
     opt.close()
     assert len(worker_threads()) == before
     loss_of(model, 0).backward()

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.usefixtures("device_mode"), pytest.mark.timeout(120)]
 
 
 def _train(tmp_path, steps=4, **config):
+    config.setdefault("device_dtype", "bf16")  # fp32 on the CPU: parameters are the masters, no copy-backs
     model, ref = tiny_llama(num_layers=2), tiny_llama(num_layers=2)
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-2, config=engine_config(
         speculation="on", timeline_dir=str(tmp_path / "tl"), timeline_steps=[2, 3], **config))

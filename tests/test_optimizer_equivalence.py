@@ -504,10 +504,11 @@ def test_the_test_config_gives_at_least_four_buckets_one_of_them_device_resident
         opt.close()
 
 
-def test_auto_speculation_stops_while_rollbacks_are_frequent_and_resumes_after():
+def test_auto_speculation_stops_while_rollbacks_are_frequent_and_resumes_after(device_mode):
     """config.speculation "auto": stop speculating while more than
     speculation_max_rollback_rate of the last speculation_window steps rolled back; resume once
-    they stop. Every step is still compared with torch."""
+    they stop. Every step is still compared with torch. On the CPU device, where host jobs run
+    inline and nothing could overlap them, "auto" never speculates."""
     pair = make_pair("auto", speculation_window=4)
     try:
         speculated = []
@@ -516,6 +517,9 @@ def test_auto_speculation_stops_while_rollbacks_are_frequent_and_resumes_after()
             before = pair.opt.counters.speculative_steps
             run_side_by_side_step(pair, clip, step)
             speculated.append(pair.opt.counters.speculative_steps > before)
+        if device_mode == "cpu":
+            assert not any(speculated), speculated
+            return
         assert not any(speculated[6:12]), f"still speculating while every step rolls back: {speculated}"
         assert all(speculated[20:]), f"speculation did not resume once rollbacks stopped: {speculated}"
     finally:

@@ -425,25 +425,30 @@ def test_interface_basics(rt):
 
 # ---------------------------------------------------------------- Transfer over the simulator
 
-def _transfer_round(omitted=(), optimizer_first=False):
-    """One bucket through Transfer as the engine drives it: backward writes the gradient on the
-    compute stream, d2h to the host, a forward before step(), fence, the worker's copy-back, the
-    compute stream waits for it and reads the parameters, the worker's next optimizer write
-    (`optimizer_first`: that write comes before the compute stream waits).
+def _transfer_round(omitted=(), optimizer_first=False, reuse_slot=False):
+    """One bucket through Transfer as the engine drives it: backward writes the gradient into a
+    ring slot on the compute stream, d2h to the host, a forward before step(), fence, the
+    worker's copy-back, the compute stream waits for it and reads the parameters, the worker's
+    next optimizer write (`optimizer_first`: that write comes before the compute stream waits).
+    `reuse_slot`: backward writes the next round into the same slot (a ring of one) before the
+    worker has waited for the first copy.
     Returns (the landed gradient, the parameters the compute stream reads)."""
     rt = SimRuntime()
     try:
         model = torch.nn.Linear(3, 2)
         params = list(model.parameters())
         rt.adopt(params)
-        tr = Transfer(rt, pin_memory=True, omitted=omitted)
+        tr = Transfer(rt, pin_memory=True, omitted=omitted, grad_slots=1)
         numel = sum(p.numel() for p in params)
+        tr.reserve(numel)
         offsets = [0, params[0].numel()]
-        grad_dev = tr.device_empty(numel, torch.float32)
+        grad_dev = tr.grad_slot(numel, torch.float32)
         grad_dev.copy_(torch.arange(numel, dtype=torch.float32))  # backward
         grad_host = tr.host_empty(numel, torch.float32)
         landed = tr.grad_to_host(grad_dev, grad_host)
-        del grad_dev  # the engine drops the round buffer here
+        del grad_dev  # the engine drops its view of the slot here
+        if reuse_slot:
+            tr.grad_slot(numel, torch.float32).fill_(-1.0)  # the next round's backward
         model(torch.ones(1, 3))  # between backward and step(): reads the old weights
         tr.fence()
         master = tr.host_empty(numel, torch.float32)
@@ -472,18 +477,49 @@ def _transfer_round(omitted=(), optimizer_first=False):
         rt.close()
 
 
-@pytest.mark.parametrize("optimizer_first", [False, True])
-def test_transfer_in_the_engine_order_gives_exact_values(optimizer_first):
-    grad, params = _transfer_round(optimizer_first=optimizer_first)
+SCHEDULES = [dict(optimizer_first=False), dict(optimizer_first=True), dict(reuse_slot=True)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=["forward_first", "optimizer_first", "reuse_slot"])
+def test_transfer_in_the_engine_order_gives_exact_values(schedule):
+    grad, params = _transfer_round(**schedule)
     expected_grad = torch.arange(grad.numel(), dtype=torch.float32)
     assert torch.equal(grad, expected_grad)
     assert torch.equal(params, 1.0 - 0.5 * expected_grad)
 
 
+def test_copy_backs_issued_back_to_back_share_one_staging_buffer(rt):
+    """The second copy-back overwrites the staging buffer before the first one has run (the
+    simulator runs h2d lazily): the h2d stream orders them, so each parameter still gets its own
+    source, and the buffer is allocated once."""
+    model_a, model_b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    params_a, params_b = list(model_a.parameters()), list(model_b.parameters())
+    rt.adopt(params_a + params_b)
+    tr = Transfer(rt, pin_memory=True)
+    tr.reserve(8)
+    allocations, device_empty = [], rt.device_empty
+    rt.device_empty = lambda numel, dtype: allocations.append(numel) or device_empty(numel, dtype)
+    src_a, src_b = filled(rt, [float(i) for i in range(8)]), filled(rt, [-float(i) for i in range(8)])
+    events = []
+
+    def copy_backs():
+        events.append(tr.params_to_device(src_a, params_a, [0, 6]))
+        events.append(tr.params_to_device(src_b, params_b, [0, 6]))
+
+    in_thread(copy_backs)
+    assert rt.pending_ops() > 0  # nothing has run yet
+    for event in events:
+        tr.wait_device(event)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params_a]), src_a)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params_b]), src_b)
+    assert allocations == [8] and not rt.errors
+
+
 # What catches each omitted synchronisation: a SimRaceError saying this, or NaN poison read.
 CAUGHT_BY = {
     "d2h_waits_compute": "missing wait_stream/wait_event on the compute stream",
-    "grad_record_stream": "no record_stream",
+    "grad_record_stream": "without record_stream",
+    "compute_waits_d2h_slot": "the compute stream wrote it without waiting for the copy's event",
     "d2h_event": "nan",
     "host_waits_d2h": "nan",
     "host_waits_h2d": "written while the copy was in flight",
@@ -495,10 +531,10 @@ CAUGHT_BY = {
 }
 
 
-def _caught(sync, optimizer_first):
+def _caught(sync, schedule):
     """'nan', the SimRaceError's message, or None when the round gave exact values."""
     try:
-        grad, params = _transfer_round(omitted=(sync,), optimizer_first=optimizer_first)
+        grad, params = _transfer_round(omitted=(sync,), **schedule)
     except SimRaceError as error:
         return str(error)
     return "nan" if torch.isnan(grad).any() or torch.isnan(params).any() else None
@@ -507,5 +543,5 @@ def _caught(sync, optimizer_first):
 @pytest.mark.parametrize("sync", SYNCS)
 def test_each_omitted_transfer_sync_is_caught(sync):
     expected = CAUGHT_BY.get(sync, "")
-    outcomes = [_caught(sync, optimizer_first) for optimizer_first in (False, True)]
+    outcomes = [_caught(sync, schedule) for schedule in SCHEDULES]
     assert any(o is not None and expected in o for o in outcomes), f"omitting {sync}: {outcomes}"

@@ -5,17 +5,23 @@ read too early, or weights that differ from the same run on the synchronous CPU 
 
 The scenario exercises every synchronisation: speculative steps with clipping (rollbacks and
 replays), an evaluation forward between backward and step() (the fence), per-module waits of
-the next forward, reading parameters through `model.state_dict()`.
+the next forward, reading parameters through `model.state_dict()`, more host buckets than the
+gradient ring has slots. It runs under a "slow host" schedule: the host worker starts a job
+only while the training thread waits for the worker, so that no race is hidden by a worker that
+happened to be quick (a legal schedule: the host may always be that slow).
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import SIM_ENV_VAR
-from superoffload_hf.device.transfer import SYNCS
+from superoffload_hf.device.transfer import GRAD_RING_SLOTS, SYNCS
+from superoffload_hf.engine.worker import HostWorker
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime
 
 from _models import RelativeMaxNorm, engine_config, micro_batches, read_params, tiny_llama
@@ -25,12 +31,41 @@ pytestmark = [pytest.mark.sim, pytest.mark.timeout(120)]
 STEPS = 4
 
 
+@pytest.fixture(autouse=True)
+def slow_host(monkeypatch):
+    """Host jobs start only while the training thread waits for the worker (or it stops)."""
+    gate = threading.Event()
+    submit, wait, stop = HostWorker.submit, HostWorker.wait, HostWorker.stop
+
+    def gated_submit(self, fn, pending):
+        def when_waited_for():
+            gate.wait()
+            fn()
+        submit(self, when_waited_for, pending)
+
+    def opening_wait(self, event):
+        gate.set()
+        try:
+            return wait(self, event)
+        finally:
+            gate.clear()
+
+    def opening_stop(self, *args, **kwargs):
+        gate.set()
+        stop(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostWorker, "submit", gated_submit)
+    monkeypatch.setattr(HostWorker, "wait", opening_wait)
+    monkeypatch.setattr(HostWorker, "stop", opening_stop)
+
+
 def _run(omitted=()) -> dict[str, torch.Tensor]:
     """Train a tiny Llama for STEPS steps; return its parameters, read the documented way."""
     model = tiny_llama(num_layers=2)
     ref = tiny_llama(num_layers=2)  # only for the norm that makes every step clip by ~10%
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-2,
                             config=engine_config(speculation="on", device_buckets=0))
+    assert len(opt.plan.buckets) > GRAD_RING_SLOTS  # backward reuses ring slots
     opt._engine.transfer.omitted = frozenset(omitted)
     clip = RelativeMaxNorm(0.9)
     with opt:

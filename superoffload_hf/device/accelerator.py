@@ -44,6 +44,7 @@ class AcceleratorRuntime:
     is_async = True
     # torch's caching host allocator rounds every page-locked block up to a power of two
     pinned_rounds_to_power_of_two = True
+    host_is_device = False
 
     def __init__(self, device: torch.device):
         if device.index is None:

@@ -16,6 +16,7 @@ from superoffload_hf.device.runtime import NullEvent, NullStream, nothing
 class CpuRuntime:
     is_async = False
     pinned_rounds_to_power_of_two = False  # nothing is pinned
+    host_is_device = True
     name = "cpu"
 
     def __init__(self):

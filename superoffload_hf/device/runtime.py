@@ -15,6 +15,8 @@ A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
     device: torch.device           where the parameters live
     is_async: bool                 False: every copy has finished when copy_() returns
     pinned_rounds_to_power_of_two  True: a pinned host_empty takes the next power of two bytes
+    host_is_device: bool           the device's memory is this process's host memory, and copies
+                                   are synchronous: a host buffer can be used as a device tensor
     host_empty(numel, dtype, pinned) -> Tensor      a host buffer (page-locked when pinned)
     device_empty(numel, dtype) -> Tensor            a device buffer, on the current stream
     adopt(params)                  the parameters the engine manages live on this device

@@ -5,7 +5,12 @@ checkpoints go through (`export_param`, `import_param`).
 Host buffers are one arena per kind (memory.py), device-resident buckets' buffers are device
 tensors of their own; every allocation goes through the Ledger, whose figures `footprint`
 predicts. Re-planning moves one kind at a time (allocate the new plan's buffers of that kind,
-copy, free the old), so the host never holds more than the state plus one kind's arena."""
+copy, free the old), so the host never holds more than the state plus one kind's arena.
+
+When the device is this host's memory (the CPU runtime) and the device dtype is fp32, a host
+bucket's parameters are views into its fp32 master buffer (`alias_params`): a host step updates
+them in place, nothing is copied back, and there is no second copy of the weights.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ class BucketSet:
         self.runtimes: list[BucketRuntime] = []
         self.arenas: dict[str, HostArena] = {}
         self.plan: BucketPlan = None  # set by install()
+        self.aliases_masters = runtime.host_is_device and policy.device_dtype == torch.float32
+        self._aliases: list[tuple[int, int]] = []  # (param index, data_ptr) of aliased parameters
 
     def install(self, plan: BucketPlan) -> None:
         """Buffers for `plan`, masters from the parameters as given (an fp32 model keeps full
@@ -117,6 +124,35 @@ class BucketSet:
         self.where: dict[int, tuple[BucketRuntime, int]] = {
             s.index: (rt, k) for rt in self.runtimes for k, s in enumerate(rt.bucket.slots)}
         self.runtime_of = {self.params[i]: rt for i, (rt, _) in self.where.items()}
+        self.alias_params()
+
+    def alias_params(self) -> None:
+        """Point each host bucket's parameters at its fp32 master (when `aliases_masters`): after
+        install(), so a re-plan re-points them into the new buffers."""
+        self._aliases = []
+        if not self.aliases_masters:
+            return
+        with torch.no_grad():
+            for rt in self.host():
+                master = rt.bufs.master.numpy()  # the same memory; keeps the buffer alive
+                for p, slot in zip(rt.params, rt.bucket.slots):
+                    p.data = _param_over(master, slot)
+                    self._aliases.append((slot.index, p.data_ptr()))
+                rt.params_alias_master = True
+
+    def check_aliases(self) -> None:
+        """Raise if user code replaced an aliased parameter's storage since alias_params()."""
+        for index, ptr in self._aliases:
+            p = self.params[index]
+            if p.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"Parameter {index} (shape {tuple(p.shape)}, {p.dtype}) no longer shares memory with "
+                    "the optimizer's fp32 master weight: its storage was replaced after the optimizer was "
+                    "built (`p.data = ...`, `model.to(dtype)`, `model.half()`, ...). On the CPU with fp32 "
+                    "the parameters are views of the master weights, so the optimizer would update a "
+                    "tensor the model no longer uses. Move or cast the model before building the "
+                    "optimizer; to set new values, write them in place (`p.data.copy_(...)`, "
+                    "`model.load_state_dict(...)`).")
 
     def host(self) -> Iterator[BucketRuntime]:
         return (rt for rt in self.runtimes if not rt.bucket.device_resident)
@@ -145,5 +181,17 @@ class BucketSet:
         has synchronized)."""
         with torch.no_grad():
             for rt in self.runtimes:
+                if rt.params_alias_master:
+                    continue  # the parameters are the masters
                 for p, slot in zip(rt.params, rt.bucket.slots):
                     p.detach().copy_(BucketBuffers.view(rt.bufs.master, slot).view(slot.shape))
+
+
+def _param_over(master, slot: ParamSlot) -> torch.Tensor:
+    """A tensor over the slot's elements of `master` (a numpy view of a bucket's fp32 master) with
+    a storage of its own: savers that keep only one of the tensors sharing a storage
+    (accelerate's save_model, safetensors' save_model) must see every parameter as separate."""
+    if slot.numel == 0:
+        return torch.empty(slot.shape, dtype=torch.float32)
+    return torch.frombuffer(master, dtype=torch.float32, count=slot.numel,
+                            offset=slot.offset * master.itemsize).view(slot.shape)

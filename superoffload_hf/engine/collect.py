@@ -4,11 +4,14 @@ speculating, stepping) a bucket as soon as its last micro-batch's gradients are 
 Runs on autograd's thread (the hooks) and on the training thread (step(), zero_grad()); never
 both at once, since backward() blocks its caller.
 
-A host bucket collects in *rounds*: each gradient is copied into a transient flat device buffer
-(`round_dev`, in the dtype that crosses the link) and `p.grad` is released. A round ends when
+A host bucket collects in *rounds*: each gradient is copied into a flat device buffer
+(`round_dev`, in the dtype that crosses the link: a slot of the transfer's gradient ring, whose
+reuse waits for its last copy) and `p.grad` is released. A round ends when
 every parameter of the bucket delivered a gradient, or when one delivers a second one; it is
 then flushed: copied to the host and, in the worker, copied or added in fp32 into the bucket's
-gradient buffer. The round that completes the last micro-batch launches the bucket.
+gradient buffer. The round that completes the last micro-batch launches the bucket. When the
+bucket's parameters are views of its master (the CPU, fp32), nothing crosses: each gradient is
+copied or added straight into the gradient buffer, and a flush only closes the round.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class Collector:
         self.buckets, self.transfer, self.worker, self.jobs = e.buckets, e.transfer, e.worker, e.jobs
         self.waiter, self.step, self.counters, self.config = e.waiter, e.step_state, e.counters, e.config
         self.link_dtype = e.layout.link_dtype(e.cast)
+        # The CPU device: host jobs run inline, between backward's kernels, where they only slow
+        # it down (torch's OpenMP workers still spin there): a norm alone waits for step().
+        self.launch_only_to_speculate = e.runtime.host_is_device
+        self.held: list[Optional[HeldGrad]] = [None] * len(e.params)  # one placeholder per parameter
 
     # ---- autograd thread ------------------------------------------------------------------
 
@@ -46,7 +53,10 @@ class Collector:
         index = self.buckets.index_of[p]
         rt, k = self.buckets.where[index]
         grad = p.grad.detach().reshape(-1)
-        p.grad = HeldGrad(p)  # any later use of p.grad raises (e.g. clip_grad_norm_)
+        held = self.held[index]
+        if held is None or held.dtype != p.dtype or held.shape != p.shape:
+            held = self.held[index] = HeldGrad(p)
+        p.grad = held  # any later use of p.grad raises (e.g. clip_grad_norm_)
         if self.engine.fire_log is not None:
             self.engine.fire_log.record(index)
         if rt.bucket.device_resident:
@@ -71,14 +81,23 @@ class Collector:
             rt.move(BucketState.COLLECTING)  # job must be done before the state changes hands
         if rt.round_fired[k]:
             self.flush(rt)
-        if rt.round_dev is None:
-            rt.round_dev = self.transfer.device_empty(rt.bucket.numel, self.link_dtype)
-        BucketBuffers.view(rt.round_dev, rt.bucket.slots[k]).copy_(grad)  # casts when the link is fp32
+        if rt.params_alias_master:
+            self.waiter.wait_idle(rt)  # a rollback queued by a re-open still reads the gradient buffer
+            view = BucketBuffers.view(rt.bufs.grad, rt.bucket.slots[k])
+            if rt.present[k]:
+                view.add_(grad)  # accumulated in fp32
+            else:
+                view.copy_(grad)
+        else:
+            if rt.round_dev is None:
+                rt.round_dev = self.transfer.grad_slot(rt.bucket.numel, self.link_dtype)
+            BucketBuffers.view(rt.round_dev, rt.bucket.slots[k]).copy_(grad)  # casts when the link is fp32
         rt.round_fired[k] = rt.present[k] = True
         rt.fires[k] += 1
         if rt.round_complete:
             launch = rt.bucket.speculative and self._is_last_micro_batch(rt)
-            self.flush(rt, launch=launch, spec=self._speculative_call(rt) if launch else None)
+            spec = self._speculative_call(rt) if launch else None
+            self.flush(rt, launch=launch and (spec is not None or not self.launch_only_to_speculate), spec=spec)
 
     def _is_last_micro_batch(self, rt: BucketRuntime) -> bool:
         sync_source: Optional[Callable[[], bool]] = self.engine.sync_source
@@ -104,21 +123,29 @@ class Collector:
         if not first and rt.grad_in is not rt.bufs.grad:  # a kept round, re-opened: upcast it
             self.worker.submit(functools.partial(self.jobs.hold_in_fp32, rt), rt.pending)  # before
         self.waiter.wait_idle(rt)  # the next round lands there; the worker may still read grad / recv
-        flat = rt.take_round()
-        fp32_direct = first and flat.dtype == torch.float32
-        landed = rt.bufs.grad if fp32_direct else rt.bufs.recv_buffer(flat.dtype)
-        issued = time.perf_counter()
-        event = self.transfer.grad_to_host(flat, landed)
-        self.counters.bytes_d2h += flat.numel() * flat.element_size()
+        if rt.params_alias_master:  # the hooks wrote bufs.grad; its jobs are done (waited above)
+            jobs = []
+            if first:
+                rt.zero_absent_grads()
+            rt.grad_in = rt.bufs.grad
+            rt.round_fired = [False] * len(rt.round_fired)
+        else:
+            flat = rt.take_round()
+            fp32_direct = first and flat.dtype == torch.float32
+            landed = rt.bufs.grad if fp32_direct else rt.bufs.recv_buffer(flat.dtype)
+            issued = time.perf_counter()
+            event = self.transfer.grad_to_host(flat, landed)
+            self.counters.bytes_d2h += flat.numel() * flat.element_size()
+            keep = first and launch  # this round is the step's whole gradient: no upcast
+            jobs = [functools.partial(self.jobs.receive, rt, landed, event, first, keep, issued)]
         rt.staged = True
-        keep = first and launch  # this round is the step's whole gradient: no upcast
-        jobs = [functools.partial(self.jobs.receive, rt, landed, event, first, keep, issued)]
         if launch:
             self._mark_launched(rt)
             jobs.append(functools.partial(self.jobs.launch, rt, spec, self.step.budget))
             if spec is not None:
                 self.waiter.inflight.add(rt)  # a forward before step() must not read speculative weights
-        self.worker.submit(lambda: [job() for job in jobs], rt.pending)
+        if jobs:
+            self.worker.submit(lambda: [job() for job in jobs], rt.pending)
 
     def _mark_launched(self, rt: BucketRuntime) -> None:
         rt.move(BucketState.LAUNCHED)
@@ -161,7 +188,7 @@ class Collector:
         """Forget this step's gradients (zero_grad() between backward and step()), undoing any
         speculative step taken with them. The caller resets and synchronizes afterwards."""
         for rt in self.buckets.host():
-            if any(rt.round_fired):
-                rt.take_round()
+            if rt.round_dev is not None:
+                self.transfer.release_grad_slot(rt.take_round())
             if rt.launched:
                 self.reopen(rt)

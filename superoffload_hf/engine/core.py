@@ -40,7 +40,7 @@ from superoffload_hf.engine.observe import StepObserver
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
-from superoffload_hf.engine.worker import HostWorker
+from superoffload_hf.engine.worker import HostWorker, InlineWorker
 from superoffload_hf.host.kernel import default_threads, get_host_adam
 from superoffload_hf.metrics import OffloadCounters
 from superoffload_hf.perf.cost_model import BUCKET_SIZES_MB, choose_plan, predict
@@ -64,10 +64,11 @@ def check_single_process() -> None:
         )
 
 
-def auto_host_threads(cores: int) -> int:
+def auto_host_threads(cores: int, device_is_host: bool = False) -> int:
     """Every core this process may run on but one, which the training thread (the autograd engine
-    feeding the device) needs; at least one."""
-    return max(1, cores - 1)
+    feeding the device) needs; at least one. On the CPU device every core: host jobs run inline,
+    while the training thread waits for them."""
+    return cores if device_is_host else max(1, cores - 1)
 
 
 class Engine:
@@ -85,18 +86,20 @@ class Engine:
         threads = config.host_threads
         if threads == "auto":
             cores = default_threads()
-            threads = auto_host_threads(cores)
-            self.host_threads_note = f"auto: {threads} of {cores} cores, one left for the training thread"
+            threads = auto_host_threads(cores, self.runtime.host_is_device)
+            self.host_threads_note = (f"auto: {threads} of {cores} cores, " + ("the device is the CPU: jobs run inline"
+                                      if self.runtime.host_is_device else "one left for the training thread"))
         self.adam = get_host_adam(config.host_kernel, threads=threads)
         self.observer = StepObserver(self.runtime, counters, config.timeline_dir, config.timeline_steps)
         self.jobs = HostJobs(self.adam, self.transfer, adamw, config.rollback == "snapshot", counters,
                              self.observer.timeline)
         self.policy = SpeculationPolicy(config.speculation, config.speculation_window,
-                                        config.speculation_max_rollback_rate)
+                                        config.speculation_max_rollback_rate, overlap=not self.runtime.host_is_device)
         self.loss_scale = make_loss_scale(config)
         self.buckets = BucketSet(self.params, self.layout.buffer_policy(
             self.cast, self.transfer.pin_memory, self.runtime.pinned_rounds_to_power_of_two), self.runtime)
         self.buckets.install(self.layout.initial_plan())
+        self._reserve_staging()
         self.layout.cast_params_in_place()
         self.runtime.adopt(self.params)
         self.step_state = StepState(param_groups, self.buckets.param_steps, self.loss_scale)
@@ -105,7 +108,7 @@ class Engine:
         self.fire_log: Optional[FireLog] = FireLog(len(self.params))  # None once learned
         self._host_seconds_before_learning = counters.host_step_seconds
         self.learned: Optional[dict] = None  # the learned plan's inputs, for checkpoints
-        self.worker = HostWorker()
+        self.worker = InlineWorker() if self.runtime.host_is_device else HostWorker()
         self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, self._reopen)
         self.collector = Collector(self)
         self.committer = Committer(self)
@@ -157,6 +160,7 @@ class Engine:
 
     def step(self, max_grad_norm: Optional[float]) -> Decision:
         self.worker.raise_if_failed()
+        self.buckets.check_aliases()
         if not self.has_pending_gradients() and not any(p.requires_grad and p.grad is not None
                                                         for p in self.unhooked):
             return EMPTY_STEP  # torch semantics: no gradient, no update; no step counted, no loss-scale growth
@@ -189,6 +193,11 @@ class Engine:
             return
         self.synchronize()
         self.buckets.replan(plan)
+        self._reserve_staging()
+
+    def _reserve_staging(self) -> None:
+        """The copy-back staging buffer is sized to the plan's largest host bucket."""
+        self.transfer.reserve(max((b.numel for b in self.plan.buckets if not b.device_resident), default=0))
 
     def _learn(self) -> None:
         """After the first step: re-plan from the order the hooks fired in, with the cost model

@@ -102,6 +102,8 @@ class HostJobs:
         self.copy_back(rt, redo or call)
 
     def copy_back(self, rt: BucketRuntime, call: StepCall) -> None:
+        if rt.params_alias_master:
+            return  # the parameters are views of master: the step updated them in place
         ks = stepper.run_slots(call)
         src = rt.bufs.lowp if rt.bufs.lowp is not None else rt.bufs.master
         start = time.perf_counter()

@@ -68,6 +68,7 @@ class BucketRuntime:
         self.bucket = bucket
         self.bufs = bufs
         self.params = params  # the device parameters, in slot order
+        self.params_alias_master = False  # they are views of bufs.master (BucketSet.alias_params)
         self.pending = Pending()  # worker jobs queued on this bucket
         self.norm_ready = threading.Event()
         self.h2d_event = None  # the last copy-back to the device (None: nothing in flight)
@@ -108,6 +109,12 @@ class BucketRuntime:
     @property
     def round_complete(self) -> bool:
         return all(self.round_fired)
+
+    def zero_absent_grads(self) -> None:
+        """bufs.grad of the parameters without a gradient yet this step (it holds the last one's)."""
+        for k, present in enumerate(self.present):
+            if not present:
+                BucketBuffers.view(self.bufs.grad, self.bucket.slots[k]).zero_()
 
     def take_round(self) -> torch.Tensor:
         """The round's flat device gradient, absent parameters zeroed; starts a new round."""

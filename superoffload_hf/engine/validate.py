@@ -7,7 +7,8 @@ buckets launched before that point can need a rollback. `SpeculationPolicy` says
 whether the next step speculates: "on" always, "off" never, "auto" unless more than
 `max_rollback_rate` of the last `window` speculative steps rolled back (typical early in
 training); while not speculating it keeps watching whether steps *would* have rolled back,
-so it resumes once they stop.
+so it resumes once they stop. "auto" never speculates where nothing can overlap the host step
+(`overlap=False`: the CPU device, whose host jobs run inline, between backward's kernels).
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ class SpeculationBudget:
 
 
 class SpeculationPolicy:
-    def __init__(self, mode: str, window: int, max_rollback_rate: float):
+    def __init__(self, mode: str, window: int, max_rollback_rate: float, overlap: bool = True):
         if mode not in ("on", "off", "auto"):
             raise ValueError(f"`speculation` is {mode!r}; valid choices are ['auto', 'on', 'off'].")
         self.mode = mode
+        self.overlap = overlap
         self.window = int(window)
         self.max_rollback_rate = float(max_rollback_rate)
         self.recent: deque[bool] = deque(maxlen=self.window)  # True: that step rolled back / would have
@@ -74,7 +76,7 @@ class SpeculationPolicy:
     def should_speculate(self) -> bool:
         if self.mode != "auto":
             return self.mode == "on"
-        return self.rollback_rate() <= self.max_rollback_rate
+        return self.overlap and self.rollback_rate() <= self.max_rollback_rate
 
     def rollback_rate(self) -> float:
         return sum(self.recent) / len(self.recent) if self.recent else 0.0

@@ -5,6 +5,11 @@ An exception in a job is captured; every later call from the training thread (`s
 `wait`, `raise_if_failed`) re-raises it, and the worker drops the remaining jobs, so a failure
 surfaces as an exception in the training loop instead of a hang. The thread holds no reference
 to the engine; `stop()` (called by close() and by a weakref.finalize) ends it.
+
+`InlineWorker` is the host worker of the CPU device: there a host job could only compete for the
+cores that backward itself uses (measured on 2 cores: a speculative step overlapped with backward
+slowed it by twice the step's own time), so each job runs when it is submitted, on the calling
+thread, with the same failure semantics.
 """
 
 from __future__ import annotations
@@ -101,3 +106,40 @@ class HostWorker:
             self._jobs.put(None)
             if threading.current_thread() is not self._thread:  # a finalizer may run on it
                 self._thread.join(timeout)
+
+
+class InlineWorker:
+    """HostWorker's interface; `submit` runs the job at once (see the module docstring)."""
+
+    def __init__(self):
+        self._failure = _Failure()
+        self.alive = True
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        return self._failure.error
+
+    def submit(self, fn: Callable[[], None], pending: Pending) -> None:
+        self.raise_if_failed()
+        if not self.alive:
+            raise RuntimeError("The SuperOffload host worker is stopped (the optimizer was closed); build a new optimizer.")
+        pending.add()
+        try:
+            fn()
+        except BaseException as error:  # as in the thread: recorded, then raised here and later
+            self._failure.error = error
+        finally:
+            pending.done()
+        self.raise_if_failed()
+
+    def wait(self, event: threading.Event) -> float:
+        self.raise_if_failed()
+        if not event.is_set():  # every job has run by the time submit() returned
+            raise RuntimeError("SuperOffload waited for host work that was never submitted: a bug in "
+                               "superoffload_hf; please report it with the traceback.")
+        return 0.0
+
+    raise_if_failed = HostWorker.raise_if_failed
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.alive = False

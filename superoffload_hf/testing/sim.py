@@ -60,6 +60,12 @@ def _storage_alias(t: torch.Tensor) -> torch.Tensor:
     return alias
 
 
+def _covers(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether writing `dst` (contiguous) writes every byte that reading `src` reads."""
+    (d0, d1), (s0, s1) = _byte_span(dst), _byte_span(src)
+    return dst.is_contiguous() and _storage_key(dst) == _storage_key(src) and d0 <= s0 and s1 <= d1
+
+
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
@@ -210,6 +216,7 @@ def _forward_hook(runtime_ref, module, args, output):
 class SimRuntime:
     is_async = True
     pinned_rounds_to_power_of_two = False  # emulated pinning: exact sizes
+    host_is_device = False  # CPU tensors, but device memory in the model it simulates
     name = "sim:0"
 
     _shared: Optional["SimRuntime"] = None
@@ -472,8 +479,12 @@ class SimRuntime:
                             f"in flight: {culprit} (missing synchronisation before the write)")
         op.dst.copy_(op.snapshot if op.use_snapshot else op.src)
         for later in self._pending_copies():
-            if later.src_key == op.dst_key and later.seq > op.seq and not later.use_snapshot:
-                later.snapshot = later.src.clone()  # it was issued to read what this copy writes
+            if later.src_key == op.dst_key and later.seq > op.seq and (
+                    not later.use_snapshot or _covers(op.dst, later.src)):
+                # It was issued to read what this copy writes. (One whose source is rewritten by
+                # work ordered after it, a reused staging buffer, keeps that value: it is all
+                # written here, and the rewrite has not run yet.)
+                later.snapshot = later.src.clone()
         op.release()
         self._fail(*problems)
 
