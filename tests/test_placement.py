@@ -51,3 +51,30 @@ def test_sysfs_readers(tmp_path):
     assert pci_numa_node("0000:3B:00.0", str(tmp_path)) == 0
     assert pci_numa_node("0000:00:00.0", str(tmp_path)) is None
     assert parse_cpulist("0-1,4") == [0, 1, 4]
+
+
+@pytest.mark.parametrize("bad", [[], [0, 0], [-1], ["0"], 3])
+def test_host_cores_config_is_validated(bad):
+    from superoffload_hf.config import ConfigError, SuperOffloadConfig
+
+    with pytest.raises(ConfigError, match="host_cores"):
+        SuperOffloadConfig(host_cores=bad)
+
+
+def test_explicit_host_cores_bind_the_host_threads_and_the_summary_says_so():
+    import os
+
+    import torch
+
+    from superoffload_hf import SuperOffloadAdamW
+
+    before = os.sched_getaffinity(0)
+    core = sorted(before)[0]
+    model = torch.nn.Linear(4, 4)
+    with SuperOffloadAdamW(model.parameters(), config={"device_dtype": "fp32", "host_cores": [core],
+                                                        "host_kernel": "reference"}) as opt:
+        assert opt.host_adam.threads == 1
+        assert f"explicit cores {core}: 1 threads" in opt.describe()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    assert os.sched_getaffinity(0) == before  # the training thread is not left bound
