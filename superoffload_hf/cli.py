@@ -25,6 +25,7 @@ from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeErro
 USAGE = """usage: superoffload train RECIPE.yaml [--dry-run] [--timeline DIR] [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
        superoffload probe [--json FILE] [--recipe R.yaml]
+       superoffload export-optimizer CHECKPOINT_DIR OUT.pt
 
 commands:
   train    train the model a recipe describes; command-line keys override the YAML,
@@ -32,6 +33,8 @@ commands:
   launch   `accelerate launch` with a `superoffload:` block in the accelerate config
   probe    measure this machine's links, host and device Adam (and a recipe's backward);
            print the plan they imply (bucket size, device buckets, cast) and the step time
+  export-optimizer  one file with every parameter's fp32 master and moments (the single-process
+           state dict) from the per-rank shard files of a data-parallel checkpoint
 """
 
 
@@ -51,8 +54,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from superoffload_hf.perf.probe import main as probe_main
 
         return probe_main(rest)
+    if command == "export-optimizer":
+        return export_optimizer_command(rest)
     print(f"superoffload: unknown command {command!r}; expected `train` or `launch`.\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def export_optimizer_command(argv: Sequence[str]) -> int:
+    """`superoffload export-optimizer CHECKPOINT_DIR OUT.pt`: 0 on success, 2 on bad input."""
+    from superoffload_hf.engine.shard_checkpoint import export_consolidated
+
+    if len(argv) != 2:
+        print("usage: superoffload export-optimizer CHECKPOINT_DIR OUT.pt", file=sys.stderr)
+        return 2
+    try:
+        sd = export_consolidated(argv[0], argv[1])
+    except (FileNotFoundError, ValueError, CorruptStateError) as error:
+        print(f"superoffload export-optimizer: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {argv[1]}: {len(sd['state'])} parameters' fp32 master, exp_avg and exp_avg_sq")
+    return 0
 
 
 def timeline_overrides(tokens: list[str]) -> list[str]:

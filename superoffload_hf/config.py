@@ -72,6 +72,13 @@ class SuperOffloadConfig:
     (accelerate launch sets it to 1); at least one; all of them when the device is the CPU (host
     jobs run inline there, while the training thread waits). The summary says what was chosen."""
 
+    host_cores: Optional[tuple] = None
+    """The cores the host Adam threads run on (a list of core ids), one thread per core; the
+    kernel's pool and the host worker thread are bound to them. None: under data parallelism,
+    this rank's share of the cores it may run on (ranks on one host get disjoint shares, on the
+    NUMA node nearest the rank's GPU when the topology is known), one core of it left for the
+    training thread; in one process, as `host_threads` says. The summary says what was chosen."""
+
     pin_memory: Union[bool, str] = AUTO
     """Page-lock the host buffers so copies are asynchronous. "auto": when the device is CUDA."""
 
@@ -120,6 +127,15 @@ class SuperOffloadConfig:
         _check_choice("cast", self.cast, CAST_CHOICES)
         _check_choice("device_dtype", self.device_dtype, DEVICE_DTYPE_CHOICES)
         _check_auto_or_int("host_threads", self.host_threads, minimum=1)
+        if self.host_cores is not None:
+            cores = self.host_cores
+            if isinstance(cores, list):
+                object.__setattr__(self, "host_cores", tuple(cores))
+                cores = self.host_cores
+            if (not isinstance(cores, tuple) or not cores or not all(_is_int(c) and c >= 0 for c in cores)
+                    or len(set(cores)) != len(cores)):
+                raise ConfigError(f"`host_cores` is {cores!r}; expected null or a non-empty list of distinct core "
+                                  "ids >= 0, e.g. [0, 1, 2, 3].")
         if not (self.pin_memory == AUTO or isinstance(self.pin_memory, bool)):
             raise ConfigError(
                 f"`pin_memory` is {self.pin_memory!r}; expected true, false or \"auto\"."

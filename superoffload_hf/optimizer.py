@@ -42,7 +42,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None,
-                 config: ConfigLike = None):
+                 config: ConfigLike = None, process_group=None):
         _check_hyper(lr, betas, eps, weight_decay)
         self._constructing = True
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -55,7 +55,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         self.counters = OffloadCounters()
         self.last_grad_norm: Optional[float] = None
         self.last_step_skipped = False
-        self._engine = Engine(self.param_groups, self._adamw, self.config, self.counters)
+        self._engine = Engine(self.param_groups, self._adamw, self.config, self.counters, process_group)
         self._engine.max_grad_norm = self._max_grad_norm
         self._finalizer = weakref.finalize(self, self._engine.close)
 
@@ -96,7 +96,35 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         return checkpoint.state_dict(self._engine, self.param_groups)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Any saved layout: a single-process state dict, or every rank's shard state dicts (a
+        list, e.g. `superoffload_hf.engine.shard_checkpoint.read_shards(dir)`) saved by any number
+        of ranks; under data parallelism each rank reads only its own ranges."""
         checkpoint.load_state_dict(self._engine, self.param_groups, state_dict)
+
+    # ---- data parallelism -----------------------------------------------------------------
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether this optimizer shards its state over ranks (torch.distributed, world > 1):
+        `state_dict()` is then this rank's shard (engine/shard_checkpoint.py)."""
+        return self._engine.dp is not None
+
+    def save_sharded(self, directory: str) -> list[str]:
+        """Every rank writes its shard to `directory` (optimizer.shard-RRRRR-of-NNNNN.pt; no rank
+        gathers the state); after all have, rank 0 writes `optimizer.pt`, a small index, so its
+        presence means the set is complete. Call on every rank. One process: optimizer.pt is the
+        whole state dict. Returns the files written here."""
+        from superoffload_hf.engine.shard_checkpoint import write_sharded
+
+        return write_sharded(self, directory)
+
+    @staticmethod
+    def read_state(directory: str) -> Any:
+        """What `save_sharded` (or a single-process save) left in `directory`, for
+        `load_state_dict` on any number of ranks (memory-mapped: each rank reads its ranges)."""
+        from superoffload_hf.engine.shard_checkpoint import read_saved
+
+        return read_saved(directory)
 
     # ---- SuperOffload ---------------------------------------------------------------------
 
@@ -180,9 +208,9 @@ class SuperOffloadAdam(_SuperOffloadOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: Optional[float] = None,
-                 config: ConfigLike = None):
+                 config: ConfigLike = None, process_group=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, config=config)
+                         max_grad_norm=max_grad_norm, config=config, process_group=process_group)
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:

@@ -8,12 +8,16 @@ from typing import Optional
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+# transformers is imported where a Llama is built (the multi-process tests spawn children that
+# do not need it: its import is most of a child's start-up time)
 
 
 def tiny_llama_config(num_layers: int = 4, hidden_size: int = 32, vocab_size: int = 128,
                       tie_word_embeddings: bool = False) -> LlamaConfig:
     """A LlamaConfig small enough for a CPU test: 4 heads, 2 kv heads, eager attention."""
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -31,6 +35,8 @@ def tiny_llama(num_layers: int = 4, hidden_size: int = 32, vocab_size: int = 128
                dtype: torch.dtype = torch.float32,
                tie_word_embeddings: bool = False) -> LlamaForCausalLM:
     """A freshly initialised tiny LlamaForCausalLM; the same seed gives bitwise-equal weights."""
+    from transformers import LlamaForCausalLM
+
     config = tiny_llama_config(num_layers, hidden_size, vocab_size, tie_word_embeddings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -194,10 +194,19 @@ def test_deepspeed_and_fsdp_accelerators_are_refused(kind):
         check_accelerator_supported(accelerator)
 
 
-def test_data_parallel_accelerators_are_refused():
-    accelerator = SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, mixed_precision="no", num_processes=2)
-    with pytest.raises(ValueError, match=r"one process; got 2 processes.*--num_processes 1"):
-        check_accelerator_supported(accelerator)
+@pytest.mark.parametrize("kind", [DistributedType.MULTI_GPU, DistributedType.MULTI_CPU])
+def test_data_parallel_accelerators_are_accepted_and_never_wrap_the_model_in_ddp(kind):
+    from superoffload_hf.integrations.accelerate import keep_model_unwrapped
+
+    calls = []
+    accelerator = SimpleNamespace(distributed_type=kind, mixed_precision="no", num_processes=2,
+                                  prepare_model=lambda model, device_placement=None, evaluation_mode=False:
+                                  calls.append(evaluation_mode) or model)
+    check_accelerator_supported(accelerator)
+    keep_model_unwrapped(accelerator)
+    keep_model_unwrapped(accelerator)  # idempotent
+    model = torch.nn.Linear(2, 2)
+    assert accelerator.prepare_model(model) is model and calls == [True]  # evaluation_mode: no DDP wrap
 
 
 def test_a_model_not_on_the_accelerator_device_is_refused():

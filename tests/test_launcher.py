@@ -101,13 +101,19 @@ def test_unknown_superoffload_key_fails_before_launching(tmp_path, capsys):
 @pytest.mark.parametrize(
     "overrides, flags, refused",
     [({"distributed_type": "DEEPSPEED"}, [], "DEEPSPEED"), ({"distributed_type": "FSDP"}, [], "FSDP"),
-     ({}, ["--use_fsdp"], "FSDP"), ({"mixed_precision": "fp8"}, [], "fp8"),
-     ({}, ["--num_processes", "2"], "one process"), ({"num_processes": 4}, [], "one process")],
+     ({}, ["--use_fsdp"], "FSDP"), ({"mixed_precision": "fp8"}, [], "fp8")],
 )
 def test_launcher_refuses_what_superoffload_cannot_combine_with(tmp_path, capsys, overrides, flags, refused):
     path = write_config(tmp_path, {}, **overrides)
     assert launcher.main(["--config_file", str(path), *flags, "train.py"]) == 2
     assert refused in capsys.readouterr().err
+
+
+def test_launcher_accepts_several_processes_and_machines(tmp_path):
+    path = write_config(tmp_path, {"speculation": "on"})
+    plan = launcher.plan_launch(["--config_file", str(path), "--num_processes", "4", "--num_machines", "2",
+                                 "--machine_rank", "1", "train.py"])
+    assert plan.accelerate_args == ["--num_processes", "4", "--num_machines", "2", "--machine_rank", "1"]
 
 
 # ---- the autopatch --------------------------------------------------------------------------------

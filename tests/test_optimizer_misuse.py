@@ -80,13 +80,17 @@ def test_a_step_without_any_gradient_counts_nothing_and_keeps_the_fp16_loss_scal
         opt.close()
 
 
-def test_a_multi_process_group_is_refused_with_what_is_wrong(monkeypatch):
+def test_a_ddp_wrapped_model_is_refused_with_what_to_do(tmp_path):
     import torch.distributed as dist
 
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    with pytest.raises(RuntimeError, match="world size 2.*does not do data parallelism yet.*DistributedDataParallel"):
-        SuperOffloadAdamW(small_model().parameters(), config=engine_config())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = small_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(RuntimeError, match="remove the DDP wrapper"):
+            SuperOffloadAdamW(ddp.parameters(), config=engine_config())
+    finally:
+        dist.destroy_process_group()
 
 
 def model_loss_step(opt, model=None):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -118,3 +118,12 @@ class AcceleratorRuntime:
         else:
             free, total = torch.get_device_module(self.device).mem_get_info(self.device)
         return int(free), int(total)
+
+    def pci_bus_id(self) -> Optional[str]:
+        """"dddd:bb:dd.0" of this device (to find its NUMA node), None where the backend does
+        not say."""
+        try:
+            props = torch.get_device_module(self.device).get_device_properties(self.device)
+            return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        except (AttributeError, RuntimeError, TypeError):
+            return None

@@ -27,16 +27,18 @@ FP32 = torch.float32
 
 
 class BucketSet:
-    def __init__(self, params: list[torch.Tensor], policy: BufferPolicy, runtime):
+    def __init__(self, params: list[torch.Tensor], policy: BufferPolicy, runtime, shard_of=None):
         self.params = params
         self.index_of = {p: i for i, p in enumerate(params)}
         self.policy, self.runtime = policy, runtime
+        self.shard_of = shard_of  # data parallel (engine/dp.py): bucket -> this rank's Shard
         self.ledger = Ledger()
         self.param_steps = [0] * len(params)
         self.runtimes: list[BucketRuntime] = []
         self.arenas: dict[str, HostArena] = {}
         self.plan: BucketPlan = None  # set by install()
-        self.aliases_masters = policy.params_alias_masters
+        # (never for sharded masters: a rank's master holds only its shard of each bucket)
+        self.aliases_masters = policy.params_alias_masters and shard_of is None
         self._aliases: list[tuple[int, int]] = []  # (param index, data_ptr) of aliased parameters
 
     def install(self, plan: BucketPlan) -> None:
@@ -50,17 +52,38 @@ class BucketSet:
                 if flat is None:
                     continue
                 if kind == "master":
-                    for slot in b.slots:
-                        BucketBuffers.view(flat, slot).copy_(self.params[slot.index].detach().reshape(-1))
+                    for dst, src in self._master_sources(b, flat):
+                        dst.copy_(src)
                 elif kind == "lowp":
                     flat.copy_(bb.master)
                 else:
                     flat.zero_()
         self._set_runtimes(plan, bufs)
 
+    def _master_sources(self, b, flat: torch.Tensor):
+        """(buffer view, parameter values) pairs that initialise a bucket's master."""
+        shard = self._shard(b)
+        if shard is None:
+            return [(BucketBuffers.view(flat, s), self.params[s.index].detach().reshape(-1)) for s in b.slots]
+        return [(flat[p.offset:p.offset + p.numel],
+                 self.params[p.index].detach().reshape(-1)[p.param_start:p.param_end]) for p in shard.pieces]
+
+    def _shard(self, b):
+        return None if self.shard_of is None or b.device_resident else self.shard_of(b)
+
+    def _numel(self, b) -> int:
+        """Elements of a bucket's buffers here: its shard's under data parallelism."""
+        shard = self._shard(b)
+        return b.numel if shard is None else shard.numel
+
+    def shard_numel(self) -> int:
+        return sum(self._numel(rt.bucket) for rt in self.host())
+
     def replan(self, plan: BucketPlan) -> None:
         """Move every parameter's state into the buffers of a new plan, one kind at a time.
         The caller has waited for every queued job (nothing may touch the old buffers any more)."""
+        if self.shard_of is not None:
+            raise NotImplementedError("Re-planning sharded state (data parallelism) is not supported.")
         old = {s.index: (rt.bufs, s) for rt in self.runtimes for s in rt.bucket.slots}
         old_bufs = [rt.bufs for rt in self.runtimes]
         for bb in old_bufs:
@@ -91,7 +114,7 @@ class BucketSet:
                      if k != "lowp" or self.policy.lowp_dtype is not None)
 
     def _new_buffers(self, plan: BucketPlan) -> list[BucketBuffers]:
-        return [BucketBuffers(b.numel, not b.device_resident, self._transient_alloc(b.numel))
+        return [BucketBuffers(self._numel(b), not b.device_resident, self._transient_alloc(self._numel(b)))
                 for b in plan.buckets]
 
     def _transient_alloc(self, numel: int):
@@ -107,7 +130,7 @@ class BucketSet:
         kinds = self.policy.host_kinds()
         if kind in kinds and host:
             dtype, pinned = kinds[kind]
-            arena = HostArena(kind, [plan.buckets[k].numel for k in host], dtype, pinned,
+            arena = HostArena(kind, [self._numel(plan.buckets[k]) for k in host], dtype, pinned,
                               self.policy.rounds_pinned, self.runtime, self.ledger)
             self.arenas[kind] = arena
             for j, k in enumerate(host):
@@ -121,6 +144,8 @@ class BucketSet:
         self.plan = plan
         self.runtimes = [BucketRuntime(b, bb, [self.params[s.index] for s in b.slots])
                          for b, bb in zip(plan.buckets, bufs)]
+        for rt in self.runtimes:
+            rt.shard = self._shard(rt.bucket)
         self.where: dict[int, tuple[BucketRuntime, int]] = {
             s.index: (rt, k) for rt in self.runtimes for k, s in enumerate(rt.bucket.slots)}
         self.runtime_of = {self.params[i]: rt for i, (rt, _) in self.where.items()}

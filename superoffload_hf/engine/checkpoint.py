@@ -49,6 +49,8 @@ def tensor_crc32(tensor: torch.Tensor) -> int:
 
 
 def state_dict(engine, groups: list[dict]) -> dict:
+    if engine.dp is not None:  # this rank's shard only (engine/shard_checkpoint.py)
+        return engine.dp.state_dict(groups, _extras(engine))
     engine.synchronize()
     state, checksums = {}, {}
     for index, step in enumerate(engine.param_steps):
@@ -71,7 +73,24 @@ def state_dict(engine, groups: list[dict]) -> dict:
     }
 
 
-def load_state_dict(engine, groups: list[dict], sd: Mapping[str, Any]) -> None:
+def _extras(engine) -> dict:
+    return {"format_version": FORMAT_VERSION, "loss_scale": engine.loss_scale.state_dict(),
+            "speculation": engine.policy.state_dict(), "counters": engine.counters.as_dict()}
+
+
+def load_state_dict(engine, groups: list[dict], sd: Any) -> None:
+    from superoffload_hf.engine.dp import is_sharded_input
+    from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate
+
+    if engine.dp is not None:  # any saved layout: this rank reads its own ranges
+        source = RangeSource.of(sd)
+        _check_layout({"state": {}, "param_groups": source.param_groups, "superoffload": {}}, groups)
+        engine.dp.load_state_dict(sd)
+        _load_extras(engine, groups, source.param_groups, source.extra)
+        engine.refresh_device_params()
+        return
+    if is_sharded_input(sd):  # every rank's shard files, read in one process
+        sd = consolidate(RangeSource.of(sd))
     _check_layout(sd, groups)
     saved_state = {int(index): entry for index, entry in sd["state"].items()}
     for index, entry in saved_state.items():  # check everything before changing anything
@@ -89,7 +108,12 @@ def load_state_dict(engine, groups: list[dict], sd: Mapping[str, Any]) -> None:
         engine.adopt_learned(extra["plan"])
     for index in range(len(engine.params)):
         _load_param(engine, index, saved_state.get(index, {}))
-    for group, saved in zip(groups, sd["param_groups"]):
+    _load_extras(engine, groups, sd["param_groups"], extra)
+    engine.refresh_device_params()
+
+
+def _load_extras(engine, groups: list[dict], saved_groups: list, extra: Mapping[str, Any]) -> None:
+    for group, saved in zip(groups, saved_groups):
         group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
     if "loss_scale" in extra:
         engine.loss_scale.load_state_dict(extra["loss_scale"])
@@ -97,7 +121,6 @@ def load_state_dict(engine, groups: list[dict], sd: Mapping[str, Any]) -> None:
         engine.policy.load_state_dict(extra["speculation"])
     if "counters" in extra:
         engine.counters.load_dict(extra["counters"])
-    engine.refresh_device_params()
 
 
 def _load_param(engine, index: int, entry: Mapping[str, Any]) -> None:

@@ -61,6 +61,8 @@ class Collector:
             self.engine.fire_log.record(index)
         if rt.bucket.device_resident:
             self._accumulate_on_device(rt, k, grad)
+        elif self.engine.dp is not None:
+            self.engine.dp.collect(rt, k, grad)
         else:
             self._collect_for_host(rt, k, grad)
 
@@ -177,6 +179,8 @@ class Collector:
 
     def finish(self) -> None:
         """Flush partial rounds and launch every staged bucket not launched yet."""
+        if self.engine.dp is not None:
+            return self.engine.dp.finish()
         for rt in self.buckets.host():
             if any(rt.round_fired):
                 self.flush(rt)
@@ -187,6 +191,8 @@ class Collector:
     def discard(self) -> None:
         """Forget this step's gradients (zero_grad() between backward and step()), undoing any
         speculative step taken with them. The caller resets and synchronizes afterwards."""
+        if self.engine.dp is not None:
+            return self.engine.dp.discard()
         for rt in self.buckets.host():
             if rt.round_dev is not None:
                 self.transfer.release_grad_slot(rt.take_round())

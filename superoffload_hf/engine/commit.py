@@ -37,6 +37,11 @@ class Committer:
             if rt.staged:
                 self.waiter.wait(rt.norm_ready, f"norm of bucket {rt.bucket.index}")
                 parts[rt.bucket.index] = rt.sumsq
+        dp = self.engine.dp
+        if dp is not None:  # the host parts are this rank's shards: summed over the ranks
+            host = {rt.bucket.index for rt in self.buckets.host()}
+            return dp.global_sum_squares(sum(parts[i] for i in sorted(parts) if i in host),
+                                         sum(parts[i] for i in sorted(parts) if i not in host))
         return sum(parts[i] for i in sorted(parts))  # float64, in bucket order: deterministic
 
     def apply(self, decision: Decision) -> None:
@@ -60,6 +65,8 @@ class Committer:
                 self.worker.submit(functools.partial(self.jobs.rollback, rt, spec, call), rt.pending)
                 self.step.rolled_back = True
                 self.step.replayed |= call is not None
+            elif self.jobs.gather is not None:  # data parallel: the committed shard's all-gather
+                self.worker.submit(functools.partial(self.jobs.copy_back, rt, call), rt.pending)
         elif call is not None:
             self.worker.submit(functools.partial(self.jobs.step, rt, call), rt.pending)
             self.step.replayed |= rt.redo

@@ -4,6 +4,7 @@
     step(): Committer (global norm, commit | rollback+replay | skip, account)
     forward / synchronize: Waiter (per-bucket waits, in stream order)
     BucketSet (plan, buffers, param state) · LayoutBuilder (decisions) · Transfer (device seam)
+    with N > 1 ranks: DataParallel (dp.py) collects, reduce-scatters, all-gathers; shards (shard.py)
 
 Threads: hooks run on autograd's thread, step() on the training thread (never at the same time:
 backward() blocks the caller), host jobs on the worker. Each bucket's lifecycle is the state
@@ -18,6 +19,7 @@ machine of lifecycle.py. Ordering guarantees the engine relies on, each enforced
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Optional
 
@@ -25,11 +27,14 @@ import torch
 
 from superoffload_hf.config import SuperOffloadConfig
 from superoffload_hf.device import make_runtime
+from superoffload_hf.device.collectives import Collectives
 from superoffload_hf.device.transfer import Transfer
 from superoffload_hf.engine.autoplan import measured_machine, measured_workload
 from superoffload_hf.engine.buckets import BucketSet
 from superoffload_hf.engine.collect import Collector
 from superoffload_hf.engine.commit import Committer
+from superoffload_hf.engine.dp import DataParallel, check_not_ddp
+from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
 from superoffload_hf.engine.layout import FireLog, LayoutBuilder
@@ -40,7 +45,7 @@ from superoffload_hf.engine.observe import StepObserver
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
-from superoffload_hf.engine.worker import HostWorker, InlineWorker
+from superoffload_hf.engine.worker import HostWorker, InlineWorker, Pending
 from superoffload_hf.host.kernel import default_threads, get_host_adam
 from superoffload_hf.metrics import OffloadCounters
 from superoffload_hf.perf.cost_model import BUCKET_SIZES_MB, choose_plan, predict
@@ -48,20 +53,6 @@ from superoffload_hf.perf.cost_model import BUCKET_SIZES_MB, choose_plan, predic
 logger = logging.getLogger("superoffload_hf")
 
 EMPTY_STEP = Decision("empty", 0.0, 1.0)
-
-
-def check_single_process() -> None:
-    """Until data parallelism lands, a process group of more than one rank is refused here, with
-    what is wrong, rather than later by DDP touching gradients the engine holds."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(
-            f"torch.distributed is initialised with world size {dist.get_world_size()}: SuperOffload "
-            "does not do data parallelism yet, and a model wrapped in DistributedDataParallel would "
-            "read gradients the optimizer has already moved to the host (DDP's all-reduce and "
-            "clip_grad_norm_ then fail). Train in one process (no torchrun / --num_processes 1)."
-        )
 
 
 def auto_host_threads(cores: int, device_is_host: bool = False) -> int:
@@ -73,23 +64,35 @@ def auto_host_threads(cores: int, device_is_host: bool = False) -> int:
 
 class Engine:
     def __init__(self, param_groups: list[dict], adamw: bool, config: SuperOffloadConfig,
-                 counters: OffloadCounters):
-        check_single_process()
+                 counters: OffloadCounters, process_group=None):
         self.config, self.adamw, self.counters = config, adamw, counters
         self.groups = param_groups  # the optimizer's live list: hyperparameters are read at use
         self.params = [p for g in param_groups for p in g["params"]]
         self.layout = LayoutBuilder(self.params, param_groups, config)
         self.runtime = make_runtime(self.layout.device)
+        bus_id = self.runtime.pci_bus_id() if hasattr(self.runtime, "pci_bus_id") else None
+        numa_node = pci_numa_node(bus_id) if bus_id else None
+        collectives = Collectives.create(process_group, numa_node=numa_node)
+        self.dp: Optional[DataParallel] = None if collectives is None else DataParallel(collectives, self)
+        check_not_ddp(self.params)
+        if self.dp is not None:
+            self.dp.broadcast_params(self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
         self.cast = self.layout.resolve_cast(self.transfer)
         self.host_threads_note = "set"
         threads = config.host_threads
-        if threads == "auto":
+        placement = host_placement(self.config.host_cores, collectives, numa_node)
+        if placement is not None:  # the CPU device: jobs run inline, the training thread's core too
+            cores = len(placement.cores) if self.runtime.host_is_device else placement.threads
+            threads = cores if threads == "auto" else threads
+            self.host_threads_note = placement.note
+        elif threads == "auto":
             cores = default_threads()
             threads = auto_host_threads(cores, self.runtime.host_is_device)
             self.host_threads_note = (f"auto: {threads} of {cores} cores, " + ("the device is the CPU: jobs run inline"
                                       if self.runtime.host_is_device else "one left for the training thread"))
-        self.adam = get_host_adam(config.host_kernel, threads=threads)
+        with bound_to(placement):  # the kernel's pool threads inherit the creating thread's cores
+            self.adam = get_host_adam(config.host_kernel, threads=threads)
         self.observer = StepObserver(self.runtime, counters, config.timeline_dir, config.timeline_steps)
         self.jobs = HostJobs(self.adam, self.transfer, adamw, config.rollback == "snapshot", counters,
                              self.observer.timeline)
@@ -98,7 +101,8 @@ class Engine:
         self.loss_scale = make_loss_scale(config)
         self.buckets = BucketSet(self.params, self.layout.buffer_policy(
             self.cast, self.transfer.pin_memory, self.runtime.pinned_rounds_to_power_of_two,
-            host_is_device=self.runtime.host_is_device), self.runtime)
+            host_is_device=self.runtime.host_is_device and self.dp is None), self.runtime,
+            shard_of=None if self.dp is None else self.dp.shard)
         self.buckets.install(self.layout.initial_plan())
         self._reserve_staging()
         self.layout.cast_params_in_place()
@@ -106,10 +110,15 @@ class Engine:
         self.step_state = StepState(param_groups, self.buckets.param_steps, self.loss_scale)
         self.sync_source: Optional[Callable[[], bool]] = None
         self.max_grad_norm: Optional[float] = None  # the optimizer keeps it current
-        self.fire_log: Optional[FireLog] = FireLog(len(self.params))  # None once learned
+        # None once learned; data parallel: the initial plan on every rank (no re-planning)
+        self.fire_log: Optional[FireLog] = None if self.dp else FireLog(len(self.params))
         self._host_seconds_before_learning = counters.host_step_seconds
         self.learned: Optional[dict] = None  # the learned plan's inputs, for checkpoints
         self.worker = InlineWorker() if self.runtime.host_is_device else HostWorker()
+        if placement is not None and not self.runtime.host_is_device:  # the worker thread calls the kernel
+            self.worker.submit(functools.partial(bind_current_thread, placement.cores), Pending())
+        if self.dp is not None:
+            self.jobs.gather = self.dp.gather_back
         self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, self._reopen)
         self.collector = Collector(self)
         self.committer = Committer(self)
@@ -139,11 +148,12 @@ class Engine:
         return self.waiter.inflight
 
     def summary(self) -> str:
+        dp = "" if self.dp is None else f", {self.dp.describe()}"
         return (f"SuperOffload: {len(self.plan.buckets)} buckets ({self.plan.num_device_buckets} "
                 f"device-resident) of <= {self.plan.bucket_numel} elements, device {self.runtime.name} "
                 f"{self.config.device_dtype}, cast {self.cast}, speculation {self.config.speculation}, "
                 f"rollback {self.config.rollback}, host Adam {self.adam.name}/{self.adam.isa} "
-                f"x{self.adam.threads} threads ({self.host_threads_note})")
+                f"x{self.adam.threads} threads ({self.host_threads_note}){dp}")
 
     # ---- the hooks' entry points ----------------------------------------------------------
 
@@ -164,7 +174,8 @@ class Engine:
         self.buckets.check_aliases()
         if not self.has_pending_gradients() and not any(p.requires_grad and p.grad is not None
                                                         for p in self.unhooked):
-            return EMPTY_STEP  # torch semantics: no gradient, no update; no step counted, no loss-scale growth
+            if self.dp is None or not bool(self.dp.presence().any()):  # data parallel: on no rank
+                return EMPTY_STEP  # torch semantics: no gradient, no update; no step counted, no loss-scale growth
         started = self.observer.step_begins()
         self.transfer.fence()  # this step's copy-backs wait for kernels queued before step()
         self.collector.adopt_unhooked_grads()
@@ -231,6 +242,10 @@ class Engine:
         """Take the plan a checkpoint's optimizer had learned (so a resumed run continues
         exactly as the original would have)."""
         self.fire_log = None
+        if self.dp is not None:
+            logger.info("SuperOffload: data parallel: the checkpoint's learned plan is not applied (every "
+                        "rank keeps the initial plan)")
+            return
         self.learned = {"ready_order": [int(i) for i in learned["ready_order"]],
                         "deferred": [int(i) for i in learned["deferred"]],
                         "device_buckets": int(learned["device_buckets"])}
@@ -254,6 +269,8 @@ class Engine:
     def refresh_device_params(self) -> None:
         """Copy every master weight to its device parameter (after loading state)."""
         self.synchronize()
+        if self.dp is not None:
+            return self.dp.refresh_device_params()
         self.buckets.refresh_device_params()
 
     # ---- waiting, discarding, closing -------------------------------------------------------

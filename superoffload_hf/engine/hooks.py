@@ -26,7 +26,8 @@ HELD_GRAD_MESSAGE = (
     "optimizer's fp32 buffers during backward), so `p.grad` cannot be read or modified. Do not "
     "call torch.nn.utils.clip_grad_norm_ (or accelerator.clip_grad_norm_): pass "
     "`max_grad_norm` to the optimizer instead (it clips with the same semantics), and read the "
-    "norm from `optimizer.last_grad_norm`."
+    "norm from `optimizer.last_grad_norm`. Under torch.distributed the optimizer averages the "
+    "gradients over the ranks itself: do not wrap the model in DistributedDataParallel."
 )
 
 

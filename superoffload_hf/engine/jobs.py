@@ -32,6 +32,10 @@ class HostJobs:
         self.snapshot = snapshot
         self.counters = counters
         self.timeline = timeline if timeline is not None else Timeline.disabled()
+        # Data parallel (engine/dp.py): the copy-back is the shard's all-gather, issued only
+        # after validation (a speculative step or a mere rollback leaves the device weights as
+        # they were), so every rank issues the same all-gathers in the same order.
+        self.gather = None
 
     def _host(self, rt: BucketRuntime, what: str, start: float, **args) -> float:
         """Account host time since `start` (and show it on the timeline); returns now."""
@@ -85,7 +89,8 @@ class HostJobs:
             rt.bufs.take_snapshot()
         stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
         self._host(rt, "speculative step" if speculative else "step", start, speculative=speculative)
-        self.copy_back(rt, call)
+        if not (speculative and self.gather is not None):
+            self.copy_back(rt, call)
 
     def rollback(self, rt: BucketRuntime, call: StepCall, redo: Optional[StepCall] = None) -> None:
         """Undo the speculative `call`; then take `redo` (e.g. clipped) if given."""
@@ -99,9 +104,16 @@ class HostJobs:
             stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, redo, self.adamw, rt.bufs.lowp)
         self._host(rt, "rollback + replay" if redo is not None else "rollback", start, rollback=True,
                    replay=redo is not None)
-        self.copy_back(rt, redo or call)
+        if redo is not None or self.gather is None:
+            self.copy_back(rt, redo or call)
 
     def copy_back(self, rt: BucketRuntime, call: StepCall) -> None:
+        if self.gather is not None:
+            start = time.perf_counter()
+            rt.h2d_event = self.gather(rt)
+            self.timeline.span(H2D, f"all-gather b{rt.bucket.index}", start, time.perf_counter(),
+                               bucket=rt.bucket.index, clock="host (issue)")
+            return
         if rt.params_alias_master:
             return  # the parameters are views of master: the step updated them in place
         ks = stepper.run_slots(call)

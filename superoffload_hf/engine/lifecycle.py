@@ -69,6 +69,7 @@ class BucketRuntime:
         self.bufs = bufs
         self.params = params  # the device parameters, in slot order
         self.params_alias_master = False  # they are views of bufs.master (BucketSet.alias_params)
+        self.shard = None  # data parallel: this rank's Shard of a host bucket (its buffers hold only that)
         self.pending = Pending()  # worker jobs queued on this bucket
         self.norm_ready = threading.Event()
         self.h2d_event = None  # the last copy-back to the device (None: nothing in flight)

@@ -23,5 +23,8 @@ class StepState:
 
     def call(self, rt: BucketRuntime, clip_coef: float) -> StepCall:
         """The Adam update of `rt`'s present parameters with the current hyperparameters."""
-        return StepCall(plan_runs(rt.bucket, rt.present, self.param_steps),
+        bucket, present = rt.bucket, rt.present
+        if rt.shard is not None:  # data parallel: the runs of this rank's pieces of the bucket
+            bucket, present = rt.shard.local_bucket(), [rt.present[p.slot] for p in rt.shard.pieces]
+        return StepCall(plan_runs(bucket, present, self.param_steps),
                         Hyper.of_group(self.groups[rt.bucket.group]), clip_coef / self.loss_scale.scale)

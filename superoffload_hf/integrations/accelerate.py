@@ -170,7 +170,6 @@ def _read_mapping(path: Union[str, Path]) -> dict[str, Any]:
 
 def check_accelerator_supported(accelerator: Accelerator) -> None:
     resolve_device_dtype(None, accelerator.mixed_precision)  # fp8 and unknown modes fail here
-    check_single_process(accelerator.num_processes)
     refused = REFUSED_DISTRIBUTED_TYPES.get(accelerator.distributed_type)
     if refused is not None:
         raise ValueError(
@@ -180,15 +179,21 @@ def check_accelerator_supported(accelerator: Accelerator) -> None:
         )
 
 
-def check_single_process(num_processes: int) -> None:
-    """One training process: DDP's gradient reduction reads `p.grad` after the optimizer has
-    taken the gradient (the engine owns it from the accumulation hook on)."""
-    if num_processes > 1:
-        raise ValueError(
-            f"superoffload trains in one process; got {num_processes} processes. Data parallelism "
-            "(DDP) would all-reduce gradients the SuperOffload optimizer has already taken. Launch "
-            "with `--num_processes 1`."
-        )
+def keep_model_unwrapped(accelerator: Accelerator) -> None:
+    """With several processes (MULTI_GPU, MULTI_CPU) `accelerator.prepare` wraps the model in
+    DistributedDataParallel; the SuperOffload optimizer averages the gradients over the ranks
+    itself, and DDP would all-reduce gradients it has already taken. So this accelerator prepares
+    models as Accelerate prepares them for evaluation (device placement, mixed precision,
+    torch.compile; no DDP wrap). The one place this integration changes Accelerate's behaviour."""
+    if getattr(accelerator, "_superoffload_keeps_model_unwrapped", False):
+        return
+    prepare_model = accelerator.prepare_model
+
+    def prepare_model_without_ddp(model, device_placement=None, evaluation_mode=False):
+        return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    accelerator.prepare_model = prepare_model_without_ddp
+    accelerator._superoffload_keeps_model_unwrapped = True
 
 
 def check_model_on_device(model: torch.nn.Module, device: torch.device) -> None:
@@ -322,6 +327,7 @@ def wrap_optimizer(accelerator: Accelerator, optimizer: torch.optim.Optimizer,
 
     `device_dtype`: the optimizer's device dtype; None reads it from `optimizer.config`."""
     check_superoffload_optimizer(optimizer)
+    keep_model_unwrapped(accelerator)
     # The optimizer reads the accumulation boundary while backward runs: Accelerate (or the
     # Trainer, which sets it per micro-batch) has set sync_gradients before the backward starts.
     optimizer.set_gradient_sync_source(lambda: accelerator.sync_gradients)

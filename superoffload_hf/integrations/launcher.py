@@ -7,8 +7,9 @@ its config, so the launcher:
 
 1. reads the accelerate config (`--config_file`, or Accelerate's default config) and pops the
    `superoffload:` block; validates it as SuperOffloadConfig fields (unknown keys fail here);
-2. refuses DeepSpeed / FSDP / Megatron-LM configs, fp8, and more than one process (superoffload
-   does not support data parallelism yet);
+2. refuses DeepSpeed / FSDP / Megatron-LM configs and fp8; several processes (`--num_processes
+   N`, `--num_machines`, `--machine_rank`) run data parallel: the optimizer shards its state
+   over the ranks and averages the gradients itself (Accelerate does not wrap the model in DDP);
 3. writes the stripped config to a temporary file and runs
    `python -m accelerate.commands.launch --config_file <stripped> <the other arguments>` with
    `SUPEROFFLOAD_CONFIG_JSON` (the block) set and `launch_site/` first on PYTHONPATH, so that
@@ -160,7 +161,7 @@ def _pop_block(config: Optional[dict[str, Any]], path: Optional[str]) -> dict[st
 
 def _check_combination(parsed: Any, config: Optional[dict[str, Any]], block: dict[str, Any]) -> None:
     from superoffload_hf.config import ConfigError
-    from superoffload_hf.integrations.accelerate import SuperOffloadPlugin, check_single_process
+    from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
 
     distributed = str((config or {}).get("distributed_type", "NO")).upper()
     refused = [name for flag, name in REFUSED_FLAGS.items() if getattr(parsed, flag, False)]
@@ -171,10 +172,8 @@ def _check_combination(parsed: Any, config: Optional[dict[str, Any]], block: dic
             "config with distributed_type NO, or launch with `accelerate launch` without superoffload."
         )
     mixed_precision = parsed.mixed_precision or (config or {}).get("mixed_precision") or "no"
-    num_processes = parsed.num_processes or (config or {}).get("num_processes") or 1
     try:
         SuperOffloadPlugin.from_dict(block).to_config(mixed_precision)
-        check_single_process(int(num_processes))  # accelerate's num_processes counts every machine
     except ConfigError as error:
         raise LaunchError(f"superoffload block: {error}") from error
     except ValueError as error:

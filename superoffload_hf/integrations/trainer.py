@@ -141,3 +141,12 @@ class Trainer(HFTrainer):
         return self.superoffload.get_grad_norm(model, grad_norm=grad_norm)
 
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.superoffload is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        return self.superoffload.save_optimizer_and_scheduler(super()._save_optimizer_and_scheduler, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if self.superoffload is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        return self.superoffload.load_optimizer_and_scheduler(super()._load_optimizer_and_scheduler, checkpoint)

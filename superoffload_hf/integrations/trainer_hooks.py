@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Optional
 
+import torch
 import transformers
 from transformers import DefaultFlowCallback
 from transformers import Trainer as HFTrainer
@@ -23,6 +25,7 @@ from superoffload_hf.integrations.accelerate import (
     wrap_optimizer,
 )
 from superoffload_hf.integrations.callback import SuperOffloadCallback, unwrap_optimizer
+from superoffload_hf.engine.shard_checkpoint import shard_files
 from superoffload_hf.integrations.resume import load_weights_only, resolve_resume
 from superoffload_hf.optimizer import SuperOffloadAdamW
 
@@ -33,7 +36,9 @@ _HF_DEFAULT_OPTIM = {f.name: f for f in dataclasses.fields(HFTrainingArguments)}
 # `optim` values that superoffload=True replaces silently (they name AdamW); others conflict.
 _REPLACEABLE_OPTIMS = {_HF_DEFAULT_OPTIM, "adamw_torch", "adamw_torch_fused", OPTIM_SYNONYM}
 # The Trainer methods superoffload replaces; a transformers without them is not supported.
-HOOKED_TRAINER_METHODS = ("create_optimizer", "_clip_grad_norm", "_get_grad_norm")
+HOOKED_TRAINER_METHODS = ("create_optimizer", "_clip_grad_norm", "_get_grad_norm",
+                          "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+SCHEDULER_FILE = "scheduler.pt"
 
 
 
@@ -59,6 +64,11 @@ class SuperOffloadHooks:
         trainer.create_optimizer = self.create_optimizer
         trainer._clip_grad_norm = self.clip_grad_norm
         trainer._get_grad_norm = self.get_grad_norm
+        original_save, original_load = trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler
+        trainer._save_optimizer_and_scheduler = lambda output_dir: self.save_optimizer_and_scheduler(
+            original_save, output_dir)
+        trainer._load_optimizer_and_scheduler = lambda checkpoint: self.load_optimizer_and_scheduler(
+            original_load, checkpoint)
         original_train = trainer.train
         trainer.train = lambda resume_from_checkpoint=None, *args, **kwargs: self.train(
             original_train, resume_from_checkpoint, *args, **kwargs)
@@ -109,6 +119,28 @@ class SuperOffloadHooks:
                     [(g["weight_decay"], len(g["params"])) for g in groups], max_grad_norm(args),
                     config.device_dtype)
         return wrap_optimizer(trainer.accelerator, optimizer, config.device_dtype)
+
+    def save_optimizer_and_scheduler(self, original, output_dir: str) -> None:
+        """Data parallel: every rank writes its shard of the optimizer state (the stock Trainer
+        saves the optimizer on the main process only), rank 0 the index and the scheduler."""
+        trainer = self.trainer
+        optimizer = unwrap_optimizer(trainer.optimizer)
+        if optimizer is None or not optimizer.is_sharded:
+            return original(output_dir)
+        optimizer.save_sharded(output_dir)
+        if trainer.args.should_save:
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def load_optimizer_and_scheduler(self, original, checkpoint) -> None:
+        """Resume from a checkpoint saved by any number of ranks: each rank reads its own ranges
+        of the shard files (or of a single-process optimizer.pt)."""
+        trainer = self.trainer
+        optimizer = unwrap_optimizer(trainer.optimizer)
+        if checkpoint is None or optimizer is None or not (optimizer.is_sharded or shard_files(checkpoint)):
+            return original(checkpoint)
+        optimizer.load_state_dict(optimizer.read_state(checkpoint))
+        trainer.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
 
     def clip_grad_norm(self, model):
         """Hand max_grad_norm to the optimizer (it clips in step()); never touch the gradients."""

@@ -28,7 +28,7 @@ def main():
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=TinyDataset())
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # as stock examples do
     trainer.save_state()
 
 

@@ -1,0 +1,234 @@
+"""Data-parallel communication: the only module of the package that calls torch.distributed
+collectives. NCCL between GPUs, gloo on CPUs.
+
+Ranks form a grid: the *shard group* (default: every rank; or the `process_group` given to the
+optimizer, e.g. the GPUs of one node) splits each bucket's host state into one shard per member;
+the *replica groups* (rank j of every shard group) hold identical copies of shard j. Per step:
+
+* `reduce_scatter_mean`: a completed bucket's flat gradient (link dtype, on the device) summed
+  within the shard group into the rank's shard, then, with replicas, summed over its replica
+  group, and divided by the world size: the average over *all* ranks, as DDP computes it.
+  gloo without reduce-scatter falls back to an all-reduce of the whole bucket and a slice (twice
+  the traffic of a reduce-scatter, and the whole sum on every rank).
+* `all_gather`: the updated shards (the parameters' dtype) into the whole bucket, from the host
+  worker thread.
+* `all_reduce_sum`: one float64 scalar (the sum of squares of the rank's shards) over the shard
+  group: replicas hold the same shards and must not be counted twice.
+* `all_reduce_presence`, `all_reduce_mean` (device-resident buckets are replicated, not sharded)
+  and `broadcast`: over the world.
+
+Thread safety: two threads issuing collectives on one process group can interleave differently
+on different ranks and deadlock (or silently pair the wrong tensors). So the training thread and
+the host worker thread use separate process groups (`dist.new_group`): the training thread's
+collectives (reduce-scatter, norm, presence, device buckets) are issued in program order, the
+worker's all-gathers in job order, and both orders are the same on every rank (the engine's
+contract: every rank launches the buckets in the same order, and queues the same validated
+copy-backs in bucket order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+logger = logging.getLogger("superoffload_hf")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits in the (replica x shard) grid. Pure data."""
+
+    world: int  # every rank
+    rank: int  # global rank
+    shard_world: int  # ranks that split the state (the shard group's size)
+    shard_rank: int  # this rank's shard index
+    shard_groups: tuple[tuple[int, ...], ...]  # every shard group's global ranks, sorted
+    local_rank: int = 0  # among the ranks on this host
+    local_world: int = 1  # ranks on this host
+    local_numa_nodes: tuple = ()  # per local rank: the NUMA node of its device (None: unknown)
+
+    @property
+    def replicas(self) -> int:
+        return self.world // self.shard_world
+
+    def replica_groups(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(g[j] for g in self.shard_groups) for j in range(self.shard_world))
+
+    @classmethod
+    def from_groups(cls, world: int, rank: int, groups: Sequence[Sequence[int]]) -> "Topology":
+        """`groups`: every rank's shard-group ranks (one entry per rank, duplicates expected)."""
+        unique = tuple(sorted({tuple(sorted(int(r) for r in g)) for g in groups}))
+        covered = sorted(r for g in unique for r in g)
+        if covered != list(range(world)):
+            raise ValueError(
+                f"The `process_group`s given to the optimizer on the {world} ranks are {list(unique)}: "
+                "they must partition the ranks (every rank in exactly one group). Pass each rank the group "
+                "it belongs to, e.g. from `dist.new_subgroups()`.")
+        sizes = {len(g) for g in unique}
+        if len(sizes) != 1:
+            raise ValueError(f"The optimizer's process groups {list(unique)} differ in size; every shard group "
+                             "must have the same number of ranks (e.g. the GPUs of one node each).")
+        mine = next(g for g in unique if rank in g)
+        return cls(world, rank, len(mine), mine.index(rank), unique)
+
+
+class Collectives:
+    """Process groups for one optimizer, and the collectives the engine issues on them."""
+
+    def __init__(self, topology: Topology, grad_group, gather_group, replica_group, world_group,
+                 backend: str):
+        self.topology = topology
+        self.grad_group = grad_group  # training thread, shard group
+        self.gather_group = gather_group  # host worker thread, shard group
+        self.replica_group = replica_group  # training thread; None without replicas
+        self.world_group = world_group  # training thread, every rank
+        self.backend = backend
+        self.has_reduce_scatter = True  # False after gloo refused one (see reduce_scatter_mean)
+
+    @classmethod
+    def create(cls, process_group=None, timeout: Optional[datetime.timedelta] = None,
+               numa_node: Optional[int] = None) -> Optional["Collectives"]:
+        """None when this process trains alone (no process group, or a world of one rank and no
+        `process_group`). Every rank must call this at the same point (it creates groups).
+        `numa_node`: of this rank's device, shared with the other ranks of its host."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            if process_group is not None:
+                raise ValueError("`process_group` was given but torch.distributed is not initialised; call "
+                                 "`torch.distributed.init_process_group` first (torchrun / accelerate launch do).")
+            return None
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world == 1:
+            return None
+        own = list(range(world)) if process_group is None else dist.get_process_group_ranks(process_group)
+        if rank not in own:
+            raise ValueError(f"Rank {rank} is not a member of the `process_group` given to the optimizer "
+                             f"(ranks {own}); pass each rank the group it belongs to.")
+        everyone: list = [None] * world
+        host = socket.gethostname()
+        dist.all_gather_object(everyone, (own, host, numa_node))  # every rank's group (new_group is collective)
+        topology = Topology.from_groups(world, rank, [g for g, _, _ in everyone])
+        local = [r for r in range(world) if everyone[r][1] == host]
+        topology = dataclasses.replace(topology, local_rank=local.index(rank), local_world=len(local),
+                                       local_numa_nodes=tuple(everyone[r][2] for r in local))
+        kw = {} if timeout is None else {"timeout": timeout}
+
+        def groups_for(member_lists):
+            mine = None
+            for ranks in member_lists:  # every rank creates every group, in the same order
+                group = dist.new_group(list(ranks), **kw)
+                if rank in ranks:
+                    mine = group
+            return mine
+
+        grad_group = groups_for(topology.shard_groups)
+        gather_group = groups_for(topology.shard_groups)
+        replica_group = groups_for(topology.replica_groups()) if topology.replicas > 1 else None
+        world_group = grad_group if topology.replicas == 1 else groups_for([tuple(range(world))])
+        return cls(topology, grad_group, gather_group, replica_group, world_group, dist.get_backend(grad_group))
+
+    @property
+    def world(self) -> int:
+        return self.topology.world
+
+    def describe(self) -> str:
+        t = self.topology
+        replicas = f" x {t.replicas} replicas" if t.replicas > 1 else ""
+        return f"rank {t.rank}/{t.world}, shard {t.shard_rank} of {t.shard_world}{replicas} ({self.backend})"
+
+    # ---- training thread ------------------------------------------------------------------
+
+    def reduce_scatter_mean(self, flat_dev: torch.Tensor, shard_dev: torch.Tensor) -> None:
+        """`shard_dev` := this rank's shard of the mean over all ranks of `flat_dev` (whose length
+        is shard_world x shard_dev's). Summed in flat_dev's dtype, then divided once."""
+        import torch.distributed as dist
+
+        if self.has_reduce_scatter:
+            try:
+                _reduce_scatter(dist)(shard_dev, flat_dev, group=self.grad_group)
+            except (RuntimeError, NotImplementedError) as error:  # a gloo without reduce-scatter
+                unsupported = isinstance(error, NotImplementedError) or "support" in str(error).lower()
+                if self.backend != "gloo" or not unsupported:  # a peer failed: not a capability
+                    raise
+                logger.warning("SuperOffload: %s has no reduce-scatter (%s); using all-reduce + slice "
+                               "(2x the gradient traffic)", self.backend, str(error).splitlines()[0])
+                self.has_reduce_scatter = False
+        if not self.has_reduce_scatter:
+            dist.all_reduce(flat_dev, group=self.grad_group)  # every rank gets the whole sum
+            n = shard_dev.numel()
+            start = self.topology.shard_rank * n
+            shard_dev.copy_(flat_dev[start:start + n])
+        if self.replica_group is not None:
+            dist.all_reduce(shard_dev, group=self.replica_group)
+        shard_dev.div_(self.world)
+
+    def all_reduce_sum(self, value: float) -> float:
+        """The float64 sum over the shard group of one scalar per rank (a host sync on NCCL)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device=self._device(self.grad_group))
+        dist.all_reduce(t, group=self.grad_group)
+        return float(t.item())
+
+    def all_reduce_presence(self, flags: torch.Tensor) -> torch.Tensor:
+        """Element-wise "any rank" of a 0/1 vector (int32, on the host), over every rank."""
+        import torch.distributed as dist
+
+        t = flags.to(device=self._device(self.world_group), dtype=torch.int32)
+        dist.all_reduce(t, group=self.world_group)
+        return (t > 0).cpu()
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> None:
+        """In place: the mean over every rank (a replicated, device-resident bucket's gradient)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, group=self.world_group)
+        tensor.div_(self.world)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Global rank `src`'s values into `tensors` on every rank (e.g. initial weights, as DDP)."""
+        import torch.distributed as dist
+
+        for t in tensors:
+            dist.broadcast(t, src=src, group=self.world_group)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.world_group)
+
+    def broadcast_object(self, obj, src: int = 0):
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.world_group)
+        return box[0]
+
+    # ---- host worker thread ---------------------------------------------------------------
+
+    def all_gather(self, shard_dev: torch.Tensor, flat_dev: torch.Tensor) -> None:
+        """`flat_dev` := every shard of the shard group, in shard order."""
+        import torch.distributed as dist
+
+        _all_gather(dist)(flat_dev, shard_dev, group=self.gather_group)
+
+    def _device(self, group) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def _reduce_scatter(dist):
+    # torch >= 2.10 names the tensor collectives *_single (the *_tensor names warn)
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather(dist):
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

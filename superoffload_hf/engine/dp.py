@@ -1,0 +1,339 @@
+"""Data parallelism inside the engine (ZeRO-style sharded host state; DESIGN.md section 8).
+
+With N ranks (device/collectives.py) every host bucket's host state is cut into N shards
+(engine/shard.py) and this rank's buffers hold only its shard: 16/N bytes per parameter of
+master and moments, plus its shard of the gradient staging. Per step and host bucket:
+
+  hooks (training thread)   gradients -> one flat device buffer of the whole bucket, padded to
+                            a multiple of N (`round_dev`), accumulated there over micro-batches
+                            (no communication before the last micro-batch; it is upcast to fp32
+                            on the first accumulation: 4 B/param of device memory for the host
+                            buckets while accumulating, the same as DDP's gradients)
+  launch (training thread)  reduce-scatter of the bucket in the link dtype: the mean over all
+                            ranks of this rank's shard; its copy to the host staging; the worker
+                            computes the shard's float64 sum of squares and, speculatively, steps
+                            the shard (no copy-back yet: the device keeps the old weights)
+  step()                    presence of every parameter (one small all-reduce, so a parameter
+                            without a gradient on any rank is not stepped, as in torch), buckets
+                            not launched yet launched in bucket order, the device-resident
+                            buckets' gradients averaged (they are replicated, not sharded), and
+                            the local sums of squares all-reduced (one float64 scalar): clip
+                            coefficient and skip decision are identical on every rank; commit /
+                            rollback+replay / skip per shard, on every rank together
+  copy-back (worker)        after validation only, one per stepped bucket, queued in the same
+                            order on every rank: the updated shard to the device and an all-gather
+                            of the bucket's weights into the parameters (a separate process group
+                            from the training thread's); the next forward waits for it per bucket
+
+Assumptions, as DDP's: every rank delivers gradients for the same buckets in the same order
+(the same model and graph), and a bucket receives no gradient after its last micro-batch
+(a re-opened bucket would need its gradient again: an error says so). The plan is the initial
+one on every rank (no re-planning from the first step's hook order under data parallelism).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Mapping, Optional
+
+import torch
+
+from superoffload_hf.engine.buffers import BucketBuffers
+from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
+from superoffload_hf.engine.shard import Shard, shard_of
+from superoffload_hf.engine.shard_checkpoint import RangeSource, is_shard_state, shard_state_dict
+
+logger = logging.getLogger("superoffload_hf")
+
+FP32 = torch.float32
+
+
+class GradientAfterLaunchError(RuntimeError):
+    """A gradient arrived for a bucket that was already reduce-scattered."""
+
+
+def check_not_ddp(params) -> None:
+    """The engine averages gradients over ranks itself: a DistributedDataParallel wrapper would
+    all-reduce gradients the optimizer has already taken (and every rank's copy twice)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    ours = {id(p) for p in params}
+    # DDP keeps no registry: look for live wrappers once, at construction
+    for ddp in (o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)):
+        if any(id(p) in ours for p in ddp.module.parameters()):
+            raise RuntimeError(
+                "The model is wrapped in torch.nn.parallel.DistributedDataParallel: remove the DDP wrapper. "
+                "SuperOffloadAdamW does data parallelism itself (it reduce-scatters each bucket's gradients "
+                "over the ranks); DDP would all-reduce gradients the optimizer has already taken. Build the "
+                "optimizer from the unwrapped model's parameters and train the unwrapped model.")
+
+
+class DataParallel:
+    def __init__(self, collectives, engine):
+        self.coll = collectives
+        self.engine = engine  # read at use (buckets, worker, waiter, step state)
+        t = collectives.topology
+        self.rank, self.world = t.shard_rank, t.shard_world
+        self._anywhere: Optional[torch.Tensor] = None  # presence() of this step, until finish()
+
+    def shard(self, bucket) -> Shard:
+        return shard_of(bucket, self.rank, self.world)
+
+    def describe(self) -> str:
+        return f"data parallel {self.coll.describe()}, {self.engine.buckets.shard_numel()} host elements here"
+
+    # ---- construction -------------------------------------------------------------------------
+
+    def broadcast_params(self, params) -> None:
+        """Every rank starts from rank 0's weights, as DDP does at construction."""
+        with torch.no_grad():
+            self.coll.broadcast([p.detach() for p in params])
+
+    # ---- training thread: gradients in ---------------------------------------------------------
+
+    def collect(self, rt: BucketRuntime, k: int, grad: torch.Tensor) -> None:
+        e = self.engine
+        if rt.launched:
+            raise GradientAfterLaunchError(
+                f"A gradient for parameter {rt.bucket.slots[k].index} arrived after its bucket "
+                f"{rt.bucket.index} was reduce-scattered (its last micro-batch had completed). Under data "
+                "parallelism a bucket's gradient leaves the rank at its last micro-batch: set "
+                "`gradient_accumulation_steps` (or Accelerate's accumulation) to the number of backward "
+                "passes per step, and run a forward between backward and step() only in no_grad.")
+        if rt.state is not BucketState.COLLECTING:
+            e.waiter.wait_idle(rt)  # the bucket's last copy-back / step jobs read its buffers
+            rt.move(BucketState.COLLECTING)
+        slot = rt.bucket.slots[k]
+        if rt.round_dev is None:
+            rt.round_dev = e.transfer.device_empty(rt.shard.padded_numel, e.collector.link_dtype).zero_()
+        if rt.present[k] and rt.round_dev.dtype != FP32:
+            rt.round_dev = rt.round_dev.float()  # accumulation over micro-batches in fp32
+        view = BucketBuffers.view(rt.round_dev, slot)
+        if rt.present[k]:
+            view.add_(grad)
+        else:
+            view.copy_(grad)  # casts to the link dtype
+        rt.present[k] = rt.round_fired[k] = True
+        rt.fires[k] += 1
+        if rt.round_complete:
+            rt.round_fired = [False] * len(rt.bucket.slots)
+            if rt.bucket.speculative and e.collector._is_last_micro_batch(rt):
+                self.launch(rt, e.collector._speculative_call(rt))
+
+    def launch(self, rt: BucketRuntime, spec) -> None:
+        """Reduce-scatter the bucket; its shard to the host; queue the shard's norm (and step)."""
+        e = self.engine
+        link = e.collector.link_dtype
+        flat = rt.round_dev
+        if flat is None:  # no gradient here, but on another rank: this rank adds zeros
+            flat = e.transfer.device_empty(rt.shard.padded_numel, link).zero_()
+        rt.round_dev = None
+        if flat.dtype != link:
+            flat = flat.to(link)
+        shard_dev = e.transfer.device_empty(rt.shard.numel, link)
+        self._host_collective_ready()
+        self.coll.reduce_scatter_mean(flat, shard_dev)
+        landed = rt.bufs.grad if link == FP32 else rt.bufs.recv_buffer(link)
+        issued = time.perf_counter()
+        event = e.transfer.grad_to_host(shard_dev, landed)
+        e.runtime.record_stream(shard_dev, e.transfer.d2h)  # dropped now; not reused while d2h reads it
+        e.counters.bytes_d2h += shard_dev.numel() * shard_dev.element_size()
+        rt.staged = True
+        rt.move(BucketState.LAUNCHED)
+        rt.norm_ready.clear()
+        jobs = [functools.partial(e.jobs.receive, rt, landed, event, True, True, issued),
+                functools.partial(e.jobs.launch, rt, spec, e.step_state.budget)]
+        e.worker.submit(lambda: [job() for job in jobs], rt.pending)
+
+    def finish(self) -> None:
+        """At step(): agree on which parameters have a gradient anywhere, launch the buckets not
+        launched yet (bucket order), average the device-resident buckets' gradients."""
+        e = self.engine
+        anywhere = self.presence()
+        self._anywhere = None
+        for rt in e.buckets.host():
+            if rt.launched:
+                continue
+            present = [bool(anywhere[s.index]) for s in rt.bucket.slots]
+            if not any(present):
+                continue
+            if rt.state is not BucketState.COLLECTING:
+                e.waiter.wait_idle(rt)
+                rt.move(BucketState.COLLECTING)
+            rt.present = present
+            self.launch(rt, None)
+        for rt in e.buckets.on_device():
+            present = [bool(anywhere[s.index]) for s in rt.bucket.slots]
+            if not any(present):
+                continue
+            for k, slot in enumerate(rt.bucket.slots):
+                if not rt.present[k]:
+                    BucketBuffers.view(rt.bufs.grad, slot).zero_()  # stale from an earlier step
+            rt.present = present
+            self._host_collective_ready()
+            self.coll.all_reduce_mean(rt.bufs.grad)
+
+    def presence(self) -> torch.Tensor:
+        """Per parameter: whether any rank has a gradient for it this step (one all-reduce per
+        step, cached until finish())."""
+        if self._anywhere is None:
+            e = self.engine
+            local = torch.zeros(len(e.params), dtype=torch.int32)
+            for rt in e.buckets.runtimes:
+                for k, slot in enumerate(rt.bucket.slots):
+                    local[slot.index] = int(rt.present[k])
+            self._anywhere = self.coll.all_reduce_presence(local)
+        return self._anywhere
+
+    def discard(self) -> None:
+        """zero_grad() between backward and step(): forget the device accumulation; undo the
+        speculative steps (their weights never reached the device)."""
+        for rt in self.engine.buckets.host():
+            rt.round_dev = None
+            if rt.launched:
+                self.engine.collector.reopen(rt)
+
+    def global_sum_squares(self, host: float, device: float) -> float:
+        """Local shards' sum all-reduced over the shard group (one float64 scalar), plus the
+        device-resident buckets' (their averaged gradients are the same on every rank)."""
+        return self.coll.all_reduce_sum(host) + device
+
+    def _host_collective_ready(self) -> None:
+        """gloo reads device tensors from the host at once: what the current stream has queued
+        must have run (NCCL orders its collectives on the stream instead)."""
+        if self.coll.backend != "nccl" and self.engine.transfer.is_async:
+            rt = self.engine.runtime
+            done = rt.new_event()
+            done.record(rt.current_stream())
+            done.synchronize()
+
+    # ---- worker thread: weights out -------------------------------------------------------------
+
+    def gather_back(self, rt: BucketRuntime):
+        """The updated shard to the device; all-gather the bucket's weights into its parameters.
+        Returns the event the next forward waits on. The host must not write the shard's
+        master/lowp before that event (HostJobs waits for it)."""
+        e = self.engine
+        runtime, transfer = e.runtime, e.transfer
+        src = rt.bufs.lowp if rt.bufs.lowp is not None else rt.bufs.master
+        dtype = rt.params[0].dtype if rt.params else src.dtype
+        with torch.no_grad(), runtime.thread_device(), runtime.on_stream(transfer.h2d):
+            fence = getattr(transfer, "_fence", None)
+            if fence is not None:  # copy-backs wait for kernels queued before step() (see Transfer.fence)
+                transfer.h2d.wait_event(fence)
+            flat_dev = runtime.device_empty(rt.shard.padded_numel, dtype)
+            if self.coll.backend == "nccl" or not transfer.is_async:
+                shard_dev = runtime.device_empty(rt.shard.numel, dtype)
+                runtime.copy_(shard_dev, src)  # casts fp32 masters to the parameters' dtype on the way
+                self.coll.all_gather(shard_dev, flat_dev)  # NCCL: in stream order on h2d
+            else:  # gloo with an asynchronous device (the simulated one): gather in host memory
+                flat_host = runtime.host_empty(rt.shard.padded_numel, dtype)
+                self.coll.all_gather(src.to(dtype), flat_host)
+                runtime.copy_(flat_dev, flat_host)
+            for p, slot in zip(rt.params, rt.bucket.slots):
+                runtime.copy_(p.detach(), BucketBuffers.view(flat_dev, slot).view(p.shape))
+                runtime.record_stream(p.detach(), transfer.h2d)
+            done = runtime.new_event()
+            done.record(transfer.h2d)
+        e.counters.bytes_h2d += src.numel() * src.element_size()
+        return done
+
+    def refresh_device_params(self) -> None:
+        """Every host bucket's weights from the shards' masters (after loading state), in bucket
+        order on every rank; device-resident buckets from their own masters."""
+        e = self.engine
+        for rt in e.buckets.host():
+            e.worker.submit(functools.partial(self._refresh, rt), rt.pending)
+        with torch.no_grad():
+            for rt in e.buckets.on_device():
+                for p, slot in zip(rt.params, rt.bucket.slots):
+                    p.detach().copy_(BucketBuffers.view(rt.bufs.master, slot).view(slot.shape))
+        e.synchronize()
+
+    def _refresh(self, rt: BucketRuntime) -> None:
+        e = self.engine
+        e.transfer.wait_host_before_write(rt.h2d_event)
+        if rt.bufs.lowp is not None:
+            rt.bufs.lowp.copy_(rt.bufs.master)
+        rt.h2d_event = self.gather_back(rt)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    def pieces(self):
+        """(param index, start, end, shape, step, views) for every piece this rank saves: its
+        shard of every bucket (a device-resident bucket is replicated; each rank saves its shard
+        of it all the same, so the files never overlap)."""
+        e = self.engine
+        for rt in e.buckets.runtimes:
+            shard = rt.shard if rt.shard is not None else self.shard(rt.bucket)
+            for piece in shard.pieces:
+                slot = rt.bucket.slots[piece.slot]
+                if rt.shard is not None:
+                    lo, hi = piece.offset, piece.offset + piece.numel
+                else:
+                    lo, hi = slot.offset + piece.param_start, slot.offset + piece.param_end
+                views = {"master_param": rt.bufs.master[lo:hi], "exp_avg": rt.bufs.exp_avg[lo:hi],
+                         "exp_avg_sq": rt.bufs.exp_avg_sq[lo:hi]}
+                yield (piece.index, piece.param_start, piece.param_end, slot.shape,
+                       e.param_steps[piece.index], views)
+
+    def state_dict(self, groups: list, extra: Mapping[str, Any]) -> dict:
+        self.engine.synchronize()
+        from superoffload_hf.engine.checkpoint import _groups_with_indices
+
+        return shard_state_dict(self.pieces(), rank=self.rank, world=self.world,
+                                param_groups=_groups_with_indices(groups), extra=extra)
+
+    def load_state_dict(self, state: Any) -> RangeSource:
+        """Load this rank's ranges from any saved layout (a list of every rank's shard state
+        dicts, one of them when they are one, or a single-process state dict); returns the source
+        (its param groups and extras are applied by the caller)."""
+        e = self.engine
+        source = RangeSource.of(state)
+        for index in source.indices():
+            if not 0 <= index < len(e.params) or source.numel(index) != e.params[index].numel():
+                raise ValueError(f"The saved optimizer state of parameter {index} has {source.numel(index)} "
+                                 f"elements; this optimizer's parameter {index} has "
+                                 f"{e.params[index].numel() if 0 <= index < len(e.params) else 'none'}. "
+                                 "Is this checkpoint from another model?")
+        e.synchronize()
+        if e.has_pending_gradients():
+            raise RuntimeError("load_state_dict() was called between backward and step(); load a checkpoint "
+                               "before the backward of the step that should use it (or call zero_grad() first).")
+        for rt in e.buckets.runtimes:
+            on_host = rt.shard is not None
+            pieces = rt.shard.pieces if on_host else [self._whole(rt, k) for k in range(len(rt.bucket.slots))]
+            for piece in pieces:
+                slot = rt.bucket.slots[piece.slot]
+                lo = piece.offset if on_host else slot.offset
+                hi = lo + piece.numel
+                values = source.read(piece.index, piece.param_start, piece.param_end) if source.step(piece.index) else {}
+                if "master_param" in values:  # else (never stepped, or torch.optim's): keep the master
+                    rt.bufs.master[lo:hi].copy_(values["master_param"])
+                for key in ("exp_avg", "exp_avg_sq"):
+                    getattr(rt.bufs, key)[lo:hi].copy_(values[key]) if key in values else getattr(rt.bufs, key)[lo:hi].zero_()
+                if rt.bufs.lowp is not None:
+                    rt.bufs.lowp[lo:hi].copy_(rt.bufs.master[lo:hi])
+        for index in range(len(e.params)):
+            e.buckets.param_steps[index] = source.step(index)
+        return source
+
+    @staticmethod
+    def _whole(rt: BucketRuntime, k: int):
+        from superoffload_hf.engine.shard import Piece
+
+        slot = rt.bucket.slots[k]
+        return Piece(slot=k, index=slot.index, param_start=0, param_end=slot.numel, offset=slot.offset)
+
+
+def is_sharded_input(state: Any) -> bool:
+    """A list of shard state dicts, or one."""
+    return is_shard_state(state) or (isinstance(state, (list, tuple)) and bool(state)
+                                     and all(is_shard_state(s) for s in state))

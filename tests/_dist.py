@@ -1,0 +1,73 @@
+"""Run a function on N local processes (gloo over a FileStore), with a deadline: a hang fails the
+test instead of blocking the suite. Each rank's return value comes back (pickled); an exception on
+any rank fails the test with that rank's traceback."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+DEFAULT_DEADLINE_S = 90.0
+
+
+def _entry(rank: int, world: int, store: str, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            result = ("ok", fn(rank, world, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_ranks(fn: Callable, world: int, *args, deadline_s: float = DEFAULT_DEADLINE_S,
+              env: dict | None = None) -> list:
+    """fn(rank, world, *args) on `world` spawned processes; the list of their return values."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        env = {"PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
+        procs = [ctx.Process(target=_entry, args=(r, world, store, tmp, fn, args, env), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline_s
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results = []
+        for r in range(world):
+            path = Path(tmp, f"rank{r}.pkl")
+            results.append(pickle.loads(path.read_bytes()) if path.exists() else ("missing", None))
+    errors = [f"rank {r}:\n{value}" for r, (kind, value) in enumerate(results) if kind == "error"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    if hung:
+        raise AssertionError(f"ranks {hung} of {world} did not finish within {deadline_s:.0f}s (a hang)")
+    missing = [r for r, (kind, _) in enumerate(results) if kind != "ok"]
+    if missing:
+        raise AssertionError(f"ranks {missing} exited without a result (exit codes "
+                             f"{[p.exitcode for p in procs]})")
+    return [value for _, value in results]

@@ -1,0 +1,174 @@
+"""What each rank runs in the data-parallel tests (spawned by _dist.run_ranks): the engine on its
+own micro-batches, and, on every rank, the stock reference on every rank's micro-batches (the
+rank-averaged gradient: the sum of the ranks' gradients divided by N, then clip_grad_norm_, skip
+on a non-finite norm, torch.optim.AdamW), compared parameter by parameter after every step."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import types
+from typing import Optional
+
+import torch
+
+from _models import (
+    GradPoison,
+    RelativeMaxNorm,
+    assert_adam_state_close,
+    assert_params_close,
+    engine_config,  # noqa: F401  (re-exported for test_dp)
+    micro_batches,
+    read_params,
+)
+
+
+class TinyLM(torch.nn.Module):
+    """A causal LM small enough to start fast in a spawned process (no transformers import):
+    embedding, residual MLP blocks with LayerNorm, untied head; `model(**batch).loss`."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 32, layers: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+            torch.nn.Linear(2 * hidden, hidden)) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        logits = self.head(h)[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return types.SimpleNamespace(loss=loss)
+
+
+def tiny_llama(seed: int = 0) -> TinyLM:  # the name the checks below use
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TinyLM()
+
+LR = 1e-3
+CLIPS = {"never": lambda step: 1e6, "always": lambda step: 1e-3, "mild": lambda step: RelativeMaxNorm(0.9),
+         "none": lambda step: None}
+
+
+def rank_batches(step: int, rank: int, world: int, accumulation: int) -> list[dict]:
+    return micro_batches(step * world + rank, accumulation)
+
+
+def params_digest(model) -> str:
+    h = hashlib.sha256()
+    for _, p in sorted(read_params(model).items()):
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def reference_step(ref, ref_opt, step, world, accumulation, clip, poison: Optional[GradPoison],
+                   poison_rank: int, idle: tuple = (None, None)) -> tuple[bool, float, Optional[float]]:
+    for r in range(world):
+        if (r, step) == idle:
+            continue  # that rank has no gradient this step: it contributes zeros to the average
+        if poison is not None:
+            poison.step = step if r == poison_rank else -1
+        for batch in rank_batches(step, r, world, accumulation):
+            (ref(**batch).loss / (accumulation * world)).backward()
+    params = [p for p in ref.parameters() if p.grad is not None]
+    if isinstance(clip, RelativeMaxNorm):
+        clip = clip.resolve(float(torch.nn.utils.get_total_norm([p.grad for p in params])))
+    total = float(torch.nn.utils.clip_grad_norm_(params, math.inf if clip is None else clip))
+    skipped = not math.isfinite(total)
+    if not skipped:
+        ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+    return skipped, total, clip
+
+
+def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", steps: int = 6,
+          accumulation: int = 1, poison_rank: Optional[int] = None, poison_steps=(2,),
+          config: Optional[dict] = None, check_state: bool = True, start_step: int = 0,
+          save_dir: Optional[str] = None, load_dir: Optional[str] = None,
+          shard_group_size: Optional[int] = None, idle: tuple = (None, None)) -> dict:
+    """Returns the per-step parameter digests (bitwise identity across ranks is the caller's).
+    `save_dir`: after training, every rank saves its optimizer state (a shard file per rank, or
+    optimizer.pt in one process) and rank 0 the weights and the stock reference's model and
+    optimizer; `load_dir`: start from there (the reference continues the saved stock run)."""
+    from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.engine import shard_checkpoint
+
+    model = tiny_llama(seed=rank)  # rank 0's weights must win (the optimizer broadcasts them)
+    ref = tiny_llama(seed=0)
+    if load_dir is not None:
+        model.load_state_dict(torch.load(f"{load_dir}/model.pt", weights_only=True))
+        ref.load_state_dict(torch.load(f"{load_dir}/ref_model.pt", weights_only=True))
+    cfg = engine_config(speculation=speculation, gradient_accumulation_steps=accumulation, **(config or {}))
+    group = None
+    if shard_group_size is not None:  # shard within groups, replicate across them
+        import torch.distributed as dist
+
+        group, _ = dist.new_subgroups(group_size=shard_group_size)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, config=cfg, process_group=group)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=1e-2, foreach=False)
+    if load_dir is not None:
+        ref_opt.load_state_dict(torch.load(f"{load_dir}/ref_opt.pt", weights_only=True))
+        if shard_checkpoint.shard_files(load_dir):
+            opt.load_state_dict(shard_checkpoint.read_shards(load_dir))
+        else:
+            opt.load_state_dict(torch.load(f"{load_dir}/optimizer.pt", weights_only=True, mmap=True))
+    target = dict(model.named_parameters())["layers.1.1.weight"]
+    ref_target = dict(ref.named_parameters())["layers.1.1.weight"]
+    values = {s: float("nan") for s in poison_steps}
+    poison = GradPoison(target, values) if poison_rank == rank else None
+    ref_poison = GradPoison(ref_target, values) if poison_rank is not None else None
+    digests, skipped = [], []
+    try:
+        assert_params_close(model, ref, "after construction", exact=load_dir is None)
+        for step in range(start_step, start_step + steps):
+            where = f"rank {rank}/{world} step {step}"
+            ref_skipped, ref_norm, max_norm = reference_step(ref, ref_opt, step, world, accumulation,
+                                                             CLIPS[clip](step), ref_poison, poison_rank, idle)
+            opt.max_grad_norm = max_norm
+            if poison is not None:
+                poison.step = step
+            for batch in rank_batches(step, rank, world, accumulation) if (rank, step) != idle else ():
+                (model(**batch).loss / accumulation).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            assert opt.last_step_skipped == ref_skipped, f"{where}: skipped {opt.last_step_skipped}, torch {ref_skipped}"
+            if not ref_skipped:
+                assert abs(opt.last_grad_norm - ref_norm) <= 1e-5 * ref_norm, f"{where}: norm {opt.last_grad_norm} vs {ref_norm}"
+            assert_params_close(model, ref, where)
+            digests.append(params_digest(model))
+            skipped.append(ref_skipped)
+        if check_state and world > 1:
+            from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate
+            import torch.distributed as dist
+
+            shards = [None] * world
+            dist.all_gather_object(shards, opt.state_dict())
+            shards = list({s["rank"]: s for s in shards}.values())  # replicas hold the same shard
+            full = consolidate(RangeSource.of(shards))
+            assert_adam_state_close(_Wrapped(full), ref_opt, f"rank {rank}: consolidated state")
+        if save_dir is not None:
+            sd = opt.state_dict()
+            if world > 1:
+                opt.save_sharded(save_dir)
+            else:
+                torch.save(sd, f"{save_dir}/optimizer.pt")
+            if rank == 0:
+                torch.save(model.state_dict(), f"{save_dir}/model.pt")
+                torch.save(ref.state_dict(), f"{save_dir}/ref_model.pt")
+                torch.save(ref_opt.state_dict(), f"{save_dir}/ref_opt.pt")
+        counters = opt.counters.as_dict()
+    finally:
+        opt.close()
+    return {"digests": digests, "skipped": skipped, "counters": counters, "summary": opt.describe()}
+
+
+class _Wrapped:
+    def __init__(self, sd):
+        self.sd = sd
+
+    def state_dict(self):
+        return self.sd

@@ -1,0 +1,115 @@
+"""Data parallelism through the Trainer: `superoffload launch --num_processes 2` on an unmodified
+stock-Trainer script against stock Accelerate DDP (loss and grad norm per step), torchrun with our
+Trainer, and Trainer checkpoints saved by 2 processes resumed on 1 (and back) as stock DDP
+resumes them. CPU, gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+STOCK_SCRIPT = SCRIPTS / "stock_trainer_script.py"
+OUR_SCRIPT = SCRIPTS / "superoffload_trainer_script.py"
+BLOCK = {"host_kernel": "reference", "speculation": "on"}
+TRAIN_ARGS = ["--max_steps", "6", "--per_device_train_batch_size", "4", "--logging_steps", "1",
+              "--report_to", "none", "--use_cpu", "--disable_tqdm", "true", "--learning_rate", "1e-3",
+              "--max_grad_norm", "1.0", "--lr_scheduler_type", "constant", "--save_strategy", "no"]
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
+                OMP_NUM_THREADS="1")
+
+
+def accelerate_config(tmp_path: Path, processes: int, superoffload: bool) -> Path:
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU" if processes > 1 else "NO",
+              "mixed_precision": "no", "num_machines": 1, "num_processes": processes, "machine_rank": 0,
+              "rdzv_backend": "static", "same_network": True, "use_cpu": processes == 1,
+              "main_training_function": "main"}
+    if superoffload:
+        config["superoffload"] = BLOCK
+    path = tmp_path / f"accelerate-{processes}-{superoffload}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run(cmd: list, cwd: Path) -> None:
+    result = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def launch(tmp_path: Path, processes: int, superoffload: bool, output: Path, *extra: str) -> list[dict]:
+    config = accelerate_config(tmp_path, processes, superoffload)
+    launcher = ([sys.executable, "-m", "superoffload_hf.cli", "launch"] if superoffload
+                else [sys.executable, "-m", "accelerate.commands.launch"])
+    port = ["--main_process_port", str(29500 + (os.getpid() % 500) + processes + 2 * superoffload)]
+    run([*launcher, "--config_file", str(config), *(port if processes > 1 else []), str(STOCK_SCRIPT),
+         "--output_dir", str(output), *TRAIN_ARGS, *extra], tmp_path)
+    return losses(output)
+
+
+def losses(output: Path) -> list[dict]:
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    return [r for r in history if "loss" in r]
+
+
+def assert_same_curve(ours: list[dict], stock: list[dict]) -> None:
+    assert [r["step"] for r in ours] == [r["step"] for r in stock]
+    for a, b in zip(ours, stock):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (ours, stock)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (ours, stock)
+
+
+SAVE = ["--save_strategy", "steps", "--save_steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """The stock-Trainer script on 2 processes, through `superoffload launch` and through stock
+    `accelerate launch` (DDP), 6 steps, a checkpoint at step 3; then each resumed from its
+    checkpoint on 1 process."""
+    tmp = tmp_path_factory.mktemp("two_process_runs")
+    runs = {}
+    for superoffload in (True, False):
+        out = tmp / f"run-{superoffload}"
+        curve = launch(tmp, 2, superoffload, out, *SAVE)  # the later --save_strategy wins
+        resumed = launch(tmp, 1, superoffload, tmp / f"resumed-{superoffload}",
+                         "--resume_from_checkpoint", str(out / "checkpoint-3"))
+        runs[superoffload] = {"curve": curve, "resumed": [r for r in resumed if r["step"] > 3],
+                              "checkpoint": out / "checkpoint-3"}
+    return runs
+
+
+def test_launcher_two_processes_matches_stock_ddp_on_an_unmodified_script(two_process_runs):
+    ours, stock = two_process_runs[True]["curve"], two_process_runs[False]["curve"]
+    assert_same_curve(ours, stock)
+    print("\nloss per step, superoffload 2 processes vs stock DDP:")
+    for a, b in zip(ours, stock):
+        print(f"  step {a['step']}: {a['loss']:.6f} vs {b['loss']:.6f}")
+
+
+def test_trainer_checkpoint_of_two_processes_resumes_on_one_as_stock_ddp_does(two_process_runs):
+    checkpoint = two_process_runs[True]["checkpoint"]
+    assert (checkpoint / "optimizer.shard-00000-of-00002.pt").exists()
+    assert (checkpoint / "optimizer.shard-00001-of-00002.pt").exists()
+    ours, stock = two_process_runs[True]["resumed"], two_process_runs[False]["resumed"]
+    assert [r["step"] for r in ours] == [4, 5, 6]
+    assert_same_curve(ours, stock)
+
+
+def test_torchrun_with_our_trainer(two_process_runs, tmp_path):
+    port = str(29600 + os.getpid() % 300)
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+         str(OUR_SCRIPT), "--superoffload_config", json.dumps(BLOCK), "--output_dir", str(tmp_path / "out"),
+         *TRAIN_ARGS, *SAVE], tmp_path)
+    assert_same_curve(losses(tmp_path / "out"), two_process_runs[False]["curve"])
