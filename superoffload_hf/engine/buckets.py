@@ -110,8 +110,8 @@ class BucketSet:
 
     def _kinds(self) -> tuple[str, ...]:
         # master before lowp (lowp is filled from it); grad last (it holds nothing between steps)
-        return tuple(k for k in ("master", "lowp", "exp_avg", "exp_avg_sq", "grad")
-                     if k != "lowp" or self.policy.lowp_dtype is not None)
+        return tuple(k for k in ("master", "lowp", "exp_avg", "exp_avg_sq", "grad", "recv")
+                     if k in self.policy.host_kinds() or k not in ("lowp", "recv"))
 
     def _new_buffers(self, plan: BucketPlan) -> list[BucketBuffers]:
         return [BucketBuffers(self._numel(b), not b.device_resident, self._transient_alloc(self._numel(b)))
@@ -135,7 +135,7 @@ class BucketSet:
             self.arenas[kind] = arena
             for j, k in enumerate(host):
                 setattr(bufs[k], kind, arena.view(j))
-        if kind != "lowp":
+        if kind not in ("lowp", "recv"):  # device-resident buckets neither cast nor land copies
             for k, b in enumerate(plan.buckets):
                 if b.device_resident:
                     setattr(bufs[k], kind, self.ledger.allocate(self.runtime, kind, "device", b.numel, FP32))

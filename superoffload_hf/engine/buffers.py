@@ -44,13 +44,14 @@ class BucketBuffers:
         return flat[slot.offset:slot.offset + slot.numel]
 
     def recv_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The landing buffer (a view of the host arena of its kind, see memory.py)."""
         if self.recv is None or self.recv.dtype != dtype:
             self.recv = self._alloc("grad landing", dtype, True)  # a copy target: page-locked
         return self.recv
 
     def drop_transients(self) -> None:
-        """Forget the landing buffer and the snapshot (re-planning: the buffers go)."""
-        self.recv = self._snapshot = None
+        """Forget the snapshot (re-planning: the buffers go)."""
+        self._snapshot = None
 
     def take_snapshot(self) -> None:
         if self._snapshot is None:  # plain host memory: snapshots never cross the link

@@ -64,6 +64,8 @@ class BufferPolicy:
                  "grad": (FP32, self.pin and self.link_dtype == FP32)}
         if self.lowp_dtype is not None:
             kinds["lowp"] = (self.lowp_dtype, self.pin)
+        if self.landing:  # a copy target: page-locked; one arena, so no power-of-two block per bucket
+            kinds["recv"] = (self.link_dtype, self.pin)
         return kinds
 
     @property
@@ -182,21 +184,24 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
         rows.append(FootprintRow("device-resident buckets", "device", on_device * 4 * 4))
     for kind, (dtype, pinned) in policy.host_kinds().items():
         segments, _ = arena_layout(host, policy.rounds_pinned and pinned)
-        rows.append(FootprintRow(kind if kind != "grad" else "grad staging",
+        rows.append(FootprintRow({"grad": "grad staging", "recv": "grad landing"}.get(kind, kind),
                                  "pinned" if pinned else "host", sum(segments) * _size(dtype)))
     if policy.snapshot:
         rows.append(FootprintRow("snapshot", "host", sum(host) * 3 * 4))
-    if policy.landing and host:
-        rows.append(FootprintRow("grad landing", "pinned" if policy.pin else "host",  # one per bucket
-                                 sum(_landing_bytes(n * _size(policy.link_dtype), policy) for n in host)))
-    rows.append(FootprintRow("transient (one bucket)", "device",
-                             largest * (_size(policy.link_dtype) + _size(policy.lowp_dtype or FP32)),
-                             transient=True))
+    largest_host = max(host, default=0)
+    if largest_host and not policy.params_alias_masters:  # allocated once, kept (device/transfer.py)
+        from superoffload_hf.device.transfer import GRAD_RING_SLOTS
+
+        # allocated at their first use, then kept (not in the Ledger of the state at rest)
+        rows.append(FootprintRow(f"gradient ring ({GRAD_RING_SLOTS} slots)", "device",
+                                 GRAD_RING_SLOTS * largest_host * _size(policy.link_dtype), transient=True))
+        rows.append(FootprintRow("copy-back staging", "device",
+                                 largest_host * _size(policy.lowp_dtype or FP32), transient=True))
+    if not largest_host or policy.params_alias_masters:
+        rows.append(FootprintRow("transient (one bucket)", "device",
+                                 largest * (_size(policy.link_dtype) + _size(policy.lowp_dtype or FP32)),
+                                 transient=True))
     return rows
-
-
-def _landing_bytes(nbytes: int, policy: BufferPolicy) -> int:
-    return _pow2_ceil(nbytes) if policy.pin and policy.rounds_pinned else nbytes
 
 
 def format_footprint(rows: Sequence[FootprintRow], num_params: int) -> str:
