@@ -1,9 +1,8 @@
 """superoffload_hf: SuperOffload (ASPLOS 2026) as a Hugging Face training backend."""
 
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
-from superoffload_hf.metrics import OffloadCounters
-from superoffload_hf.optimizer import SuperOffloadAdam, SuperOffloadAdamW
 from superoffload_hf.engine.plan import BucketPlan
+from superoffload_hf.metrics import OffloadCounters
 
 __all__ = ["BucketPlan", "ConfigError", "OffloadCounters", "SuperOffloadAdam", "SuperOffloadAdamW",
            "SuperOffloadConfig"]
@@ -12,6 +11,10 @@ __version__ = "0.1.0"
 # The Hugging Face integrations, imported on first use: importing the core (above) must not
 # import transformers or accelerate. `from superoffload_hf import TrainingArguments, Trainer`.
 _INTEGRATIONS = {
+    # the optimizers import torch: on first use, so that the CLI can set torch's OpenMP wait
+    # policy before torch loads (superoffload_hf.cli.main)
+    "SuperOffloadAdamW": "superoffload_hf.optimizer",
+    "SuperOffloadAdam": "superoffload_hf.optimizer",
     "TrainingArguments": "superoffload_hf.integrations.trainer",
     "Trainer": "superoffload_hf.integrations.trainer",
     "SuperOffloadCallback": "superoffload_hf.integrations.callback",

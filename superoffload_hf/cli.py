@@ -12,13 +12,14 @@ validates the recipe and prints it resolved, without loading a model or data. `l
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
-from superoffload_hf.engine.checkpoint import CorruptStateError
+from superoffload_hf.errors import CorruptStateError
 from superoffload_hf.integrations.resume import ResumeError
 from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeError, TokenizerSpec, load_recipe
 
@@ -39,6 +40,11 @@ commands:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # torch's OpenMP workers spin for milliseconds after each parallel region and take the cores
+    # the host Adam needs (benchmarks/adam.py: 84% of its isolated speed right after a torch op,
+    # 100% with a passive policy). libgomp reads this once, when torch loads: nothing above has
+    # imported torch yet (superoffload_hf's package import is lazy about it).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)

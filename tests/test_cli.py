@@ -323,3 +323,17 @@ def test_counters_are_read_through_the_accelerate_wrapper():
     assert optimizer_counters(types.SimpleNamespace(optimizer=types.SimpleNamespace(optimizer=inner))) is counters
     assert optimizer_counters(types.SimpleNamespace(optimizer=inner)) is counters
     assert optimizer_counters(types.SimpleNamespace(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))) is None
+
+
+def test_the_cli_sets_a_passive_openmp_wait_policy_before_torch_loads():
+    code = ("import os, sys; os.environ.pop('OMP_WAIT_POLICY', None)\n"
+            "import superoffload_hf.cli as cli\n"
+            "assert 'torch' not in sys.modules, 'importing the CLI loaded torch: too late for the policy'\n"
+            "cli.main(['--help'])\n"
+            "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE'\n"
+            "os.environ['OMP_WAIT_POLICY'] = 'ACTIVE'; cli.main(['--help'])\n"
+            "assert os.environ['OMP_WAIT_POLICY'] == 'ACTIVE'  # a user's choice stays\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -33,12 +33,12 @@ from typing import Any, Mapping
 
 import torch
 
+from superoffload_hf.errors import CorruptStateError  # noqa: F401 (raised here, caught by the CLI)
+
 FORMAT_VERSION = 1
 MOMENT_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master_param": "master"}
 
 
-class CorruptStateError(ValueError):
-    """An optimizer state tensor does not match the checksum saved with it."""
 
 
 def tensor_crc32(tensor: torch.Tensor) -> int:
