@@ -220,8 +220,11 @@ class Collectives:
         _all_gather(dist)(flat_dev, shard_dev, group=self.gather_group)
 
     def _device(self, group) -> torch.device:
-        if self.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
+        if self.backend == "nccl":  # the current accelerator (NCCL is CUDA's), through the generic API
+            from superoffload_hf.device.accelerator import _accelerator_api
+
+            index = _accelerator_api("current_device_index", "current_device_idx")()
+            return torch.device(torch.accelerator.current_accelerator().type, index)
         return torch.device("cpu")
 
 
