@@ -113,3 +113,26 @@ def test_torchrun_with_our_trainer(two_process_runs, tmp_path):
          str(OUR_SCRIPT), "--superoffload_config", json.dumps(BLOCK), "--output_dir", str(tmp_path / "out"),
          *TRAIN_ARGS, *SAVE], tmp_path)
     assert_same_curve(losses(tmp_path / "out"), two_process_runs[False]["curve"])
+
+
+def test_trainer_checkpoint_of_one_process_resumes_on_two_as_stock_ddp_does(tmp_path):
+    resumed = {}
+    for superoffload in (True, False):
+        out = tmp_path / f"one-{superoffload}"
+        launch(tmp_path, 1, superoffload, out, *SAVE)
+        curve = launch(tmp_path, 2, superoffload, tmp_path / f"two-{superoffload}",
+                       "--resume_from_checkpoint", str(out / "checkpoint-3"))
+        resumed[superoffload] = [r for r in curve if r["step"] > 3]
+    assert [r["step"] for r in resumed[True]] == [4, 5, 6]
+    assert_same_curve(resumed[True], resumed[False])
+
+
+def test_trainer_checkpoint_of_two_processes_resumes_on_four_as_stock_ddp_does(two_process_runs, tmp_path):
+    resumed = {}
+    for superoffload in (True, False):
+        base = two_process_runs[superoffload]["checkpoint"].parent
+        curve = launch(tmp_path, 4, superoffload, tmp_path / f"four-{superoffload}",
+                       "--resume_from_checkpoint", str(base / "checkpoint-3"))
+        resumed[superoffload] = [r for r in curve if r["step"] > 3]
+    assert resumed[True] and [r["step"] for r in resumed[True]] == [r["step"] for r in resumed[False]]
+    assert_same_curve(resumed[True], resumed[False])
