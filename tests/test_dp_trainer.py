@@ -48,13 +48,14 @@ def run(cmd: list, cwd: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
 
-def launch(tmp_path: Path, processes: int, superoffload: bool, output: Path, *extra: str) -> list[dict]:
+def launch(tmp_path: Path, processes: int, superoffload: bool, output: Path, *extra: str,
+           script: Path = STOCK_SCRIPT, train_args: tuple = ()) -> list[dict]:
     config = accelerate_config(tmp_path, processes, superoffload)
     launcher = ([sys.executable, "-m", "superoffload_hf.cli", "launch"] if superoffload
                 else [sys.executable, "-m", "accelerate.commands.launch"])
     port = ["--main_process_port", str(29500 + (os.getpid() % 500) + processes + 2 * superoffload)]
-    run([*launcher, "--config_file", str(config), *(port if processes > 1 else []), str(STOCK_SCRIPT),
-         "--output_dir", str(output), *TRAIN_ARGS, *extra], tmp_path)
+    run([*launcher, "--config_file", str(config), *(port if processes > 1 else []), str(script),
+         "--output_dir", str(output), *(train_args or TRAIN_ARGS), *extra], tmp_path)
     return losses(output)
 
 
@@ -136,3 +137,18 @@ def test_trainer_checkpoint_of_two_processes_resumes_on_four_as_stock_ddp_does(t
         resumed[superoffload] = [r for r in curve if r["step"] > 3]
     assert resumed[True] and [r["step"] for r in resumed[True]] == [r["step"] for r in resumed[False]]
     assert_same_curve(resumed[True], resumed[False])
+
+
+def test_launcher_two_processes_trains_an_unmodified_trl_sft_script(tmp_path):
+    """An unmodified TRL SFT script (SFTTrainer, SFTConfig from the command line) trains under
+    `superoffload launch --num_processes 2`. Against stock DDP its step-1 loss is identical, but the
+    curves then drift apart by 1e-4..1e-3 relative (grad norm 2.02583 vs 2.02550 at step 1), unlike
+    the plain stock-Trainer script (1e-5): not explained yet, left open in issue 10. So this
+    checks that it trains, and that step 1 agrees."""
+    pytest.importorskip("trl")
+    args = (*TRAIN_ARGS, "--max_length", "16", "--packing", "false")
+    ours = launch(tmp_path, 2, True, tmp_path / "ours", script=SCRIPTS / "trl_sft_script.py", train_args=args)
+    stock = launch(tmp_path, 2, False, tmp_path / "stock", script=SCRIPTS / "trl_sft_script.py", train_args=args)
+    assert [r["step"] for r in ours] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in stock]
+    assert ours[0]["loss"] == pytest.approx(stock[0]["loss"], rel=1e-6)
+    assert ours[-1]["loss"] < ours[0]["loss"] - 0.1 and all(r["grad_norm"] > 0 for r in ours)
