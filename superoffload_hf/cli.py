@@ -40,12 +40,14 @@ commands:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     # torch's OpenMP workers spin for milliseconds after each parallel region and take the cores
     # the host Adam needs (benchmarks/adam.py: 84% of its isolated speed right after a torch op,
     # 100% with a passive policy). libgomp reads this once, when torch loads: nothing above has
-    # imported torch yet (superoffload_hf's package import is lazy about it).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    argv = list(sys.argv[1:] if argv is None else argv)
+    # imported torch yet (superoffload_hf's package import is lazy about it). Not for a recipe
+    # that trains on the CPU, where torch's own parallel regions are the work (passive: 1.5x slower).
+    if argv[:1] == ["train"] and not recipe_trains_on_cpu(argv[1:]):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
@@ -80,6 +82,24 @@ def export_optimizer_command(argv: Sequence[str]) -> int:
         return 2
     print(f"wrote {argv[1]}: {len(sd['state'])} parameters' fp32 master, exp_avg and exp_avg_sq")
     return 0
+
+
+def recipe_trains_on_cpu(argv: Sequence[str]) -> bool:
+    """`training.use_cpu` of `superoffload train RECIPE [overrides]`, read without torch (the YAML
+    and a `--training.use_cpu` override); False when it cannot be read (the run reports why)."""
+    from superoffload_hf.yaml12 import load_yaml
+
+    value = None
+    try:
+        value = ((load_yaml(Path(argv[0]).read_text()) or {}).get("training") or {}).get("use_cpu")
+    except Exception:  # a missing or broken recipe: train_command says what is wrong
+        pass
+    for i, token in enumerate(argv):
+        if token == "--training.use_cpu" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif token.startswith("--training.use_cpu="):
+            value = token.split("=", 1)[1]
+    return str(value).lower() in ("true", "1", "yes")
 
 
 def timeline_overrides(tokens: list[str]) -> list[str]:

@@ -325,15 +325,28 @@ def test_counters_are_read_through_the_accelerate_wrapper():
     assert optimizer_counters(types.SimpleNamespace(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))) is None
 
 
-def test_the_cli_sets_a_passive_openmp_wait_policy_before_torch_loads():
+def test_the_cli_sets_a_passive_openmp_wait_policy_before_torch_loads_unless_training_on_the_cpu(tmp_path):
+    gpu_recipe = REPO / "recipes" / "llama3.2-1b.yaml"
     code = ("import os, sys; os.environ.pop('OMP_WAIT_POLICY', None)\n"
             "import superoffload_hf.cli as cli\n"
             "assert 'torch' not in sys.modules, 'importing the CLI loaded torch: too late for the policy'\n"
-            "cli.main(['--help'])\n"
+            f"cli.main(['train', {str(TINY)!r}, '--dry-run'])\n"
+            "assert 'OMP_WAIT_POLICY' not in os.environ  # the tiny recipe trains on the CPU\n"
+            f"cli.main(['train', {str(gpu_recipe)!r}, '--dry-run'])\n"
             "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE'\n"
-            "os.environ['OMP_WAIT_POLICY'] = 'ACTIVE'; cli.main(['--help'])\n"
+            "os.environ['OMP_WAIT_POLICY'] = 'ACTIVE'\n"
+            f"cli.main(['train', {str(gpu_recipe)!r}, '--dry-run'])\n"
             "assert os.environ['OMP_WAIT_POLICY'] == 'ACTIVE'  # a user's choice stays\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_recipe_trains_on_cpu_reads_the_yaml_and_the_override():
+    from superoffload_hf.cli import recipe_trains_on_cpu
+
+    assert recipe_trains_on_cpu([str(TINY)])
+    assert not recipe_trains_on_cpu([str(TINY), "--training.use_cpu", "false"])
+    assert not recipe_trains_on_cpu([str(REPO / "recipes" / "llama3.2-1b.yaml")])
+    assert recipe_trains_on_cpu([str(REPO / "recipes" / "llama3.2-1b.yaml"), "--training.use_cpu=true"])
