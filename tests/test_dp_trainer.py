@@ -31,14 +31,14 @@ def env() -> dict:
                 OMP_NUM_THREADS="1")
 
 
-def accelerate_config(tmp_path: Path, processes: int, superoffload: bool) -> Path:
+def accelerate_config(tmp_path: Path, processes: int, superoffload: bool, block: dict = BLOCK) -> Path:
     config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU" if processes > 1 else "NO",
               "mixed_precision": "no", "num_machines": 1, "num_processes": processes, "machine_rank": 0,
               "rdzv_backend": "static", "same_network": True, "use_cpu": processes == 1,
               "main_training_function": "main"}
     if superoffload:
-        config["superoffload"] = BLOCK
-    path = tmp_path / f"accelerate-{processes}-{superoffload}.yaml"
+        config["superoffload"] = block
+    path = tmp_path / f"accelerate-{processes}-{superoffload}-{len(block)}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -54,8 +54,8 @@ def run(cmd: list, cwd: Path) -> None:
 
 
 def launch(tmp_path: Path, processes: int, superoffload: bool, output: Path, *extra: str,
-           script: Path = STOCK_SCRIPT, train_args: tuple = ()) -> list[dict]:
-    config = accelerate_config(tmp_path, processes, superoffload)
+           script: Path = STOCK_SCRIPT, train_args: tuple = (), block: dict = BLOCK) -> list[dict]:
+    config = accelerate_config(tmp_path, processes, superoffload, block)
     launcher = ([sys.executable, "-m", "superoffload_hf.cli", "launch"] if superoffload
                 else [sys.executable, "-m", "accelerate.commands.launch"])
     port = ["--main_process_port", str(29500 + (os.getpid() % 500) + processes + 2 * superoffload)]
@@ -145,15 +145,22 @@ def test_trainer_checkpoint_of_two_processes_resumes_on_four_as_stock_ddp_does(t
 
 
 def test_launcher_two_processes_trains_an_unmodified_trl_sft_script(tmp_path):
-    """An unmodified TRL SFT script (SFTTrainer, SFTConfig from the command line) trains under
-    `superoffload launch --num_processes 2`. Against stock DDP its step-1 loss is identical, but the
-    curves then drift apart by 1e-4..1e-3 relative (grad norm 2.02583 vs 2.02550 at step 1), unlike
-    the plain stock-Trainer script (1e-5): not explained yet, left open in issue 10. So this
-    checks that it trains, and that step 1 agrees."""
+    """An unmodified TRL SFT script (SFTTrainer, SFTConfig from the command line) under
+    `superoffload launch --num_processes 2` against stock DDP. TRL's SFTConfig defaults to
+    `bf16=True`: stock Accelerate then autocasts over fp32 weights, while superoffload by default
+    keeps bf16 weights on the device (README "Precision"). With `device_dtype: fp32` ours is the
+    same mixed precision as stock, and the curves agree as for the plain Trainer script; with the
+    default bf16 weights they differ by the weights' rounding only (measured 1e-4..1e-3 relative;
+    the same difference with one process, so not data parallelism's)."""
     pytest.importorskip("trl")
     args = (*TRAIN_ARGS, "--max_length", "16", "--packing", "false")
-    ours = launch(tmp_path, 2, True, tmp_path / "ours", script=SCRIPTS / "trl_sft_script.py", train_args=args)
-    stock = launch(tmp_path, 2, False, tmp_path / "stock", script=SCRIPTS / "trl_sft_script.py", train_args=args)
-    assert [r["step"] for r in ours] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in stock]
-    assert ours[0]["loss"] == pytest.approx(stock[0]["loss"], rel=1e-6)
-    assert ours[-1]["loss"] < ours[0]["loss"] - 0.1 and all(r["grad_norm"] > 0 for r in ours)
+    trl = SCRIPTS / "trl_sft_script.py"
+    stock = launch(tmp_path, 2, False, tmp_path / "stock", script=trl, train_args=args)
+    autocast = launch(tmp_path, 2, True, tmp_path / "fp32", script=trl, train_args=args,
+                      block={**BLOCK, "device_dtype": "fp32"})
+    assert_same_curve(autocast, stock)
+    bf16 = launch(tmp_path, 2, True, tmp_path / "bf16", script=trl, train_args=args)
+    assert [r["step"] for r in bf16] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in stock]
+    for a, b in zip(bf16, stock):
+        assert a["loss"] == pytest.approx(b["loss"], rel=3e-3), (bf16, stock)
+    assert bf16[-1]["loss"] < bf16[0]["loss"] - 0.1
