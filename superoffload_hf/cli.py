@@ -6,13 +6,16 @@
 `train` runs a recipe (see superoffload_hf/recipe.py) with our Trainer: it prints what it
 built, shows the Trainer's progress bar, saves safetensors checkpoints in training.output_dir,
 resumes with `--training.resume_from_checkpoint true`, and ends with a summary. `--dry-run`
-validates the recipe and prints it resolved, without loading a model or data. `launch` is
-`accelerate launch` with a superoffload config (superoffload_hf.integrations.launcher).
+validates the recipe and prints it resolved and its memory (train/footprint.py), without loading
+a model or data; `--num_processes N [--num_machines M]` makes that memory one rank's of N
+data-parallel processes, and one host's. `launch` is `accelerate launch` with a superoffload
+config (superoffload_hf.integrations.launcher).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,14 +26,18 @@ from superoffload_hf.errors import CorruptStateError
 from superoffload_hf.integrations.resume import ResumeError
 from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeError, TokenizerSpec, load_recipe
 
-USAGE = """usage: superoffload train RECIPE.yaml [--dry-run] [--timeline DIR] [--section.key value ...]
+USAGE = """usage: superoffload train RECIPE.yaml [--dry-run [--num_processes N [--num_machines M]]] [--timeline DIR]
+                          [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
        superoffload probe [--json FILE] [--recipe R.yaml]
        superoffload export-optimizer CHECKPOINT_DIR OUT.pt
 
 commands:
   train    train the model a recipe describes; command-line keys override the YAML,
-           e.g. `superoffload train recipes/tiny_llama_cpu.yaml --training.max_steps 20`
+           e.g. `superoffload train recipes/tiny_llama_cpu.yaml --training.max_steps 20`;
+           `--dry-run` validates it and prints the memory per buffer kind, with
+           `--num_processes N` per rank of N data-parallel processes and per host
+           (`--num_machines M`: N / M ranks on each host; default 1 machine)
   launch   `accelerate launch` with a `superoffload:` block in the accelerate config
   probe    measure this machine's links, host and device Adam (and a recipe's backward);
            print the plan they imply (bucket size, device buckets, cast) and the step time
@@ -122,6 +129,34 @@ def timeline_overrides(tokens: list[str]) -> list[str]:
     return out
 
 
+def process_count_options(tokens: list[str]) -> tuple[list[str], int, int]:
+    """`--num_processes N` and `--num_machines M` (or `--name=value`), the names `superoffload
+    launch` takes: the data-parallel run the `--dry-run` memory is for. The other tokens, N, M."""
+    values = {"num_processes": 1, "num_machines": 1}
+    out, i = [], 0
+    while i < len(tokens):
+        name, eq, text = tokens[i][2:].partition("=") if tokens[i].startswith("--") else ("", "", "")
+        if name not in values:
+            out.append(tokens[i])
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                raise ValueError(f"`--{name}` needs a value: an integer >= 1, e.g. `--{name} 8`.")
+            text, i = tokens[i + 1], i + 1
+        i += 1
+        if not re.fullmatch(r"[0-9]+", text.strip()) or int(text) < 1:
+            raise ValueError(f"`--{name}` is {text!r}; expected an integer >= 1 (the number of "
+                             f"{'processes, one per GPU' if name == 'num_processes' else 'hosts the processes run on'}"
+                             f"), e.g. `--{name} 8`.")
+        values[name] = int(text)
+    n, m = values["num_processes"], values["num_machines"]
+    if n % m:
+        raise ValueError(f"`--num_machines` is {m} but `--num_processes` is {n}; expected a divisor of "
+                         f"{n} (the same number of processes on every machine), e.g. `--num_machines 1`.")
+    return out, n, m
+
+
 def train_command(argv: Sequence[str]) -> int:
     """`superoffload train RECIPE.yaml [--dry-run] [overrides]`: 0 on success, 2 on a bad recipe."""
     if argv[:1] in (["-h"], ["--help"]):
@@ -132,7 +167,14 @@ def train_command(argv: Sequence[str]) -> int:
         return 2
     dry_run = "--dry-run" in argv[1:]
     try:
-        overrides = timeline_overrides([token for token in argv[1:] if token != "--dry-run"])
+        tokens, num_processes, num_machines = process_count_options([t for t in argv[1:] if t != "--dry-run"])
+        given = [t for t in argv[1:] if t.split("=")[0] in ("--num_processes", "--num_machines")]
+        if given and not dry_run:
+            raise ValueError(f"`{given[0].split('=')[0]}` sizes the memory that `--dry-run` prints; `superoffload "
+                             "train` trains in this one process. Add `--dry-run`, or start the processes "
+                             "with torchrun or `superoffload launch --num_processes N` (README \"Several "
+                             "GPUs and nodes\").")
+        overrides = timeline_overrides(tokens)
     except ValueError as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)
         return 2
@@ -144,7 +186,7 @@ def train_command(argv: Sequence[str]) -> int:
             from superoffload_hf.train.footprint import memory_report
 
             print(_dump_yaml(recipe.to_dict()), end="")
-            print(memory_report(recipe))
+            print(memory_report(recipe, num_processes, num_machines))
             return 0
         summary = train(recipe)
     except (RecipeError, ConfigError, CorruptStateError, ResumeError) as exc:

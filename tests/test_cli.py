@@ -277,6 +277,69 @@ def test_dry_run_prints_the_resolved_recipe_with_overrides(capsys):
     assert printed["model"]["config"]["hidden_size"] == 128
 
 
+# A 67M-parameter variant of the tiny recipe planned for an accelerator (built on the meta
+# device: nothing is allocated), so that the table's figures have digits to compare.
+ACCELERATOR_VARIANT = ["--model.config.hidden_size", "1024", "--model.config.intermediate_size", "4096",
+                       "--training.use_cpu", "false", "--superoffload.device_dtype", "bf16",
+                       "--training.gradient_accumulation_steps", "4"]
+TABLE_ROW = re.compile(r"^  (\S.*?)\s+(device|pinned|host)\s+([\d.]+)\s+([\d.]+)$", re.M)
+
+
+def dry_run_memory(capsys, *args: str) -> tuple[str, dict[str, tuple[str, float, float]]]:
+    """The printed memory (from its first line on) and its rows: buffer -> (place, GB, B/param)."""
+    assert main(["train", TINY, "--dry-run", *ACCELERATOR_VARIANT, *args]) == 0
+    out = capsys.readouterr().out
+    memory = out[out.index("\nmemory: ") + 1:]
+    return memory, {m[1]: (m[2], float(m[3]), float(m[4])) for m in TABLE_ROW.finditer(memory)}
+
+
+def test_dry_run_with_num_processes_prints_a_rank_with_a_shard_of_the_host_state_and_a_host(capsys):
+    alone, single = dry_run_memory(capsys)
+    memory, rank = dry_run_memory(capsys, "--num_processes", "4")
+    assert "per rank" not in alone and "per host" not in alone and "gradient ring (3 slots)" in single
+    assert "memory per rank, data parallel over 4 processes" in memory
+    for kind in ("master", "exp_avg", "exp_avg_sq", "grad staging"):  # sharded: 1/4 each (B/param)
+        assert rank[kind][0] == single[kind][0] == "host"
+        assert rank[kind][2] == pytest.approx(single[kind][2] / 4, abs=0.01), (kind, rank[kind], single[kind])
+    assert rank["device params"] == single["device params"]  # every rank holds the whole model
+    assert "gradient ring (3 slots)" not in rank and {"reduce-scatter shard", "grad buckets (all, fp32)"} <= set(rank)
+    per_host = memory[memory.index("memory per host, 4 ranks on 1 machine"):]
+    for place in ("pinned", "host"):
+        per_rank = float(re.search(rf"^  total {place}\s+([\d.]+)\s", memory, re.M)[1])
+        on_host = float(re.search(rf"^  total {place}\s+([\d.]+)$", per_host, re.M)[1])
+        assert on_host == pytest.approx(4 * per_rank, abs=0.005), (place, per_rank, on_host)
+
+
+def test_num_machines_divides_the_ranks_among_hosts(capsys):
+    memory, _ = dry_run_memory(capsys, "--num_processes=16", "--num_machines=2")
+    assert "memory per rank, data parallel over 16 processes" in memory
+    assert "memory per host, 8 ranks on each of 2 machines" in memory
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_processes", "0"], "`--num_processes` is '0'; expected an integer >= 1"),
+    (["--num_processes", "-2"], "`--num_processes` is '-2'; expected an integer >= 1"),
+    (["--num_processes", "2.5"], "`--num_processes` is '2.5'; expected an integer >= 1"),
+    (["--num_processes=eight"], "`--num_processes` is 'eight'; expected an integer >= 1"),
+    (["--num_processes"], "`--num_processes` needs a value: an integer >= 1, e.g. `--num_processes 8`"),
+    (["--num_processes", "8", "--num_machines", "3"], "`--num_machines` is 3 but `--num_processes` is 8; "
+                                                      "expected a divisor of 8"),
+])
+def test_a_bad_process_count_exits_2_naming_the_value_and_the_fix(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "train", lambda recipe: pytest.fail("train() ran"))
+    assert main(["train", TINY, "--dry-run", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("superoffload train: error: ") and message in err and err.count("\n") == 1, err
+    assert "e.g. `--num_" in err
+
+
+def test_num_processes_without_dry_run_is_refused_before_anything_loads(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "train", lambda recipe: pytest.fail("train() ran"))
+    assert main(["train", TINY, "--num_processes", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "`--num_processes` sizes the memory that `--dry-run` prints" in err and "Add `--dry-run`" in err
+
+
 def test_python_dash_m_runs_the_cli():
     proc = run_cli("--help")
     assert proc.returncode == 0 and "usage: superoffload train" in proc.stdout

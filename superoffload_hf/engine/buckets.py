@@ -32,6 +32,9 @@ class BucketSet:
         self.index_of = {p: i for i, p in enumerate(params)}
         self.policy, self.runtime = policy, runtime
         self.shard_of = shard_of  # data parallel (engine/dp.py): bucket -> this rank's Shard
+        if (shard_of is None) != (policy.shard_world is None):
+            raise ValueError(f"`shard_of` is {shard_of!r} but `policy.shard_world` is {policy.shard_world!r}: "
+                             "both are set under data parallelism, neither in one process.")
         self.ledger = Ledger()
         self.param_steps = [0] * len(params)
         self.runtimes: list[BucketRuntime] = []
@@ -72,9 +75,9 @@ class BucketSet:
         return None if self.shard_of is None or b.device_resident else self.shard_of(b)
 
     def _numel(self, b) -> int:
-        """Elements of a bucket's buffers here: its shard's under data parallelism."""
-        shard = self._shard(b)
-        return b.numel if shard is None else shard.numel
+        """Elements of a bucket's buffers here: its shard's under data parallelism (the
+        arithmetic the estimate uses, memory.BufferPolicy.host_numel)."""
+        return b.numel if b.device_resident else self.policy.host_numel(b.numel)
 
     def shard_numel(self) -> int:
         return sum(self._numel(rt.bucket) for rt in self.host())

@@ -104,10 +104,12 @@ class Engine:
         self.policy = SpeculationPolicy(config.speculation, config.speculation_window,
                                         config.speculation_max_rollback_rate, overlap=not self.runtime.host_is_device)
         self.loss_scale = make_loss_scale(config)
-        self.buckets = BucketSet(self.params, self.layout.buffer_policy(
-            self.cast, self.transfer.pin_memory, self.runtime.pinned_rounds_to_power_of_two,
-            host_is_device=self.runtime.host_is_device and self.dp is None), self.runtime,
-            shard_of=None if self.dp is None else self.dp.shard)
+        buffers = self.layout.buffer_policy(self.cast, self.transfer.pin_memory,
+                                            self.runtime.pinned_rounds_to_power_of_two,
+                                            host_is_device=self.runtime.host_is_device,
+                                            shard_world=None if self.dp is None else self.dp.world)
+        self.buckets = BucketSet(self.params, buffers, self.runtime,
+                                 shard_of=None if self.dp is None else self.dp.shard)
         self.buckets.install(self.layout.initial_plan())
         self._reserve_staging()
         self.layout.cast_params_in_place()

@@ -132,14 +132,19 @@ class LayoutBuilder:
         return self.dtype if cast == "host" and self.dtype != torch.float32 else None
 
     def buffer_policy(self, cast: str, pin: bool, rounds_pinned: bool,
-                      accumulation_steps: Optional[int] = None, host_is_device: bool = False) -> BufferPolicy:
-        """Which buffers the buckets get, in which dtypes, page-locked or not (memory.py)."""
+                      accumulation_steps: Optional[int] = None, host_is_device: bool = False,
+                      shard_world: Optional[int] = None) -> BufferPolicy:
+        """Which buffers the buckets get, in which dtypes, page-locked or not, and how many
+        elements of each host bucket (memory.py). `shard_world`: the ranks that share each host
+        bucket under data parallelism (engine/dp.py), None in one process."""
         steps = self.config.gradient_accumulation_steps if accumulation_steps is None else accumulation_steps
         return BufferPolicy(device_dtype=self.dtype, link_dtype=self.link_dtype(cast),
                             lowp_dtype=self.lowp_dtype(cast), pin=pin,
-                            snapshot=self.config.rollback == "snapshot", accumulates=steps > 1,
-                            rounds_pinned=rounds_pinned,
-                            params_alias_masters=host_is_device and self.dtype == torch.float32)
+                            snapshot=self.config.rollback == "snapshot", micro_batches=steps,
+                            rounds_pinned=rounds_pinned, shard_world=shard_world,
+                            # a rank's master holds only its shard of each bucket: never aliased
+                            params_alias_masters=(host_is_device and self.dtype == torch.float32
+                                                  and shard_world is None))
 
     def cast_params_in_place(self) -> None:
         for p in self.params:
@@ -188,14 +193,16 @@ def _label(group: dict) -> str:
 
 
 def estimate(params: list[torch.Tensor], groups: list[dict], config, accelerator: bool,
-             accumulation_steps: int = 1) -> tuple[BucketPlan, list[FootprintRow]]:
+             accumulation_steps: int = 1, shard_world: Optional[int] = None) -> tuple[BucketPlan, list[FootprintRow]]:
     """The first plan and what it allocates, without a device or a byte of state: `params` may
     live on the meta device (`superoffload train --dry-run`). On an accelerator, cast "auto" is
-    taken as "host" (a PCIe-class link) and device_buckets "auto" as 0 (decided after step 1)."""
+    taken as "host" (a PCIe-class link) and device_buckets "auto" as 0 (decided after step 1;
+    under data parallelism the first plan is kept). `shard_world`: data parallel over that many
+    ranks (the rows are one rank's), None for one process."""
     layout = LayoutBuilder(params, groups, config)
     cast = config.cast if config.cast != "auto" else ("host" if accelerator else "device")
     pin = accelerator and config.pin_memory in (True, "auto")  # as Transfer decides
     policy = layout.buffer_policy(cast, pin, rounds_pinned=accelerator, accumulation_steps=accumulation_steps,
-                                  host_is_device=not accelerator)
+                                  host_is_device=not accelerator, shard_world=shard_world)
     plan = layout.initial_plan()
     return plan, footprint(plan, policy)

@@ -18,6 +18,12 @@ link, or accumulation over micro-batches; page-locked), the device-resident buck
 master, moments and gradient on the device), the device parameters, and the transient buffers
 of one bucket in flight (a gradient round and a copy-back staging buffer, on the device).
 
+Under data parallelism over N ranks (`BufferPolicy.shard_world`, engine/dp.py) every host
+bucket's buffers hold this rank's shard of it (shard.py: ceil(numel / N) elements), and the
+device side has buffers of its own instead of the gradient ring and the copy-back staging:
+each host bucket's flat gradient (padded to N shards) from its first gradient until its
+reduce-scatter, the shard the reduce-scatter lands in, and the all-gathers' shard and flat bucket.
+
 Places: "device", "pinned" (page-locked host), "host" (plain host). On the CPU runtime the
 device is the host and nothing is pinned.
 """
@@ -32,11 +38,13 @@ from typing import Optional, Sequence
 import torch
 
 from superoffload_hf.engine.plan import BucketPlan
+from superoffload_hf.engine.shard import shard_numel
 
 ALIGN_NUMEL = 64  # every bucket starts 64 elements (>= one cache line, any dtype) into its arena
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 HOST_KINDS = STATE_KINDS + ("grad", "lowp")
 FP32 = torch.float32
+ALL_GATHERS_LIVE = 2  # data parallel: all-gather buffers (flat bucket + shard) alive at once (_data_parallel_rows)
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -53,9 +61,19 @@ class BufferPolicy:
     lowp_dtype: Optional[torch.dtype]  # cast "host": the host-side low-precision copy
     pin: bool  # page-lock what crosses the link (an accelerator with pin_memory on)
     snapshot: bool  # rollback "snapshot"
-    accumulates: bool  # more than one micro-batch per step
+    micro_batches: int  # backward passes per step (gradient accumulation)
     rounds_pinned: bool = False  # the runtime rounds a page-locked block up to a power of two
     params_alias_masters: bool = False  # the CPU device with fp32: host buckets' parameters ARE the masters
+    shard_world: Optional[int] = None  # data parallel (engine/dp.py): ranks sharing each host bucket; None: one process
+
+    @property
+    def accumulates(self) -> bool:
+        return self.micro_batches > 1
+
+    def host_numel(self, numel: int) -> int:
+        """Elements of a host bucket of `numel` elements in this rank's buffers: its shard's
+        under data parallelism (shard.py; padding included), else all of them."""
+        return numel if self.shard_world is None else shard_numel(numel, self.shard_world)
 
     def host_kinds(self) -> dict[str, tuple[torch.dtype, bool]]:
         """kind -> (dtype, page-locked) of every arena a host bucket has."""
@@ -173,14 +191,16 @@ class FootprintRow:
 
 def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
     """What the engine allocates for `plan` under `policy`, row by row (the allocation's own
-    arithmetic: `arena_layout` and the buffer kinds of `policy`)."""
-    host = [b.numel for b in plan.buckets if not b.device_resident]
+    arithmetic: `arena_layout`, the buffer kinds of `policy`, and `policy.host_numel`: the
+    per-rank shard of each host bucket under data parallelism)."""
+    host_buckets = [b for b in plan.buckets if not b.device_resident]
+    host = [policy.host_numel(b.numel) for b in host_buckets]
     on_device = sum(b.numel for b in plan.buckets if b.device_resident)
     largest = max((b.numel for b in plan.buckets), default=0)
-    aliased = sum(b.numel for b in plan.buckets if not b.device_resident) if policy.params_alias_masters else 0
+    aliased = sum(host) if policy.params_alias_masters else 0
     # aliased parameters are views of their masters (counted below): no memory of their own
     rows = [FootprintRow("device params", "device", (plan.total_numel - aliased) * _size(policy.device_dtype))]
-    if on_device:
+    if on_device:  # replicated under data parallelism, not sharded
         rows.append(FootprintRow("device-resident buckets", "device", on_device * 4 * 4))
     for kind, (dtype, pinned) in policy.host_kinds().items():
         segments, _ = arena_layout(host, policy.rounds_pinned and pinned)
@@ -189,7 +209,9 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
     if policy.snapshot:
         rows.append(FootprintRow("snapshot", "host", sum(host) * 3 * 4))
     largest_host = max(host, default=0)
-    if largest_host and not policy.params_alias_masters:  # allocated once, kept (device/transfer.py)
+    if largest_host and policy.shard_world is not None:
+        rows += _data_parallel_rows(host_buckets, host, policy)
+    elif largest_host and not policy.params_alias_masters:  # allocated once, kept (device/transfer.py)
         from superoffload_hf.device.transfer import GRAD_RING_SLOTS
 
         # allocated at their first use, then kept (not in the Ledger of the state at rest)
@@ -202,6 +224,33 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
                                  largest * (_size(policy.link_dtype) + _size(policy.lowp_dtype or FP32)),
                                  transient=True))
     return rows
+
+
+def _data_parallel_rows(host_buckets, shards: Sequence[int], policy: BufferPolicy) -> list[FootprintRow]:
+    """The device buffers of engine/dp.py (allocated at use, outside the Ledger), at their peak.
+    `shards`: each host bucket's shard numel; the bucket's flat device gradient is N of them."""
+    link, padded = _size(policy.link_dtype), [n * policy.shard_world for n in shards]
+    if not policy.accumulates:
+        # a bucket's gradient lives from its first gradient to its reduce-scatter: with the plan
+        # in ready order, one open bucket per param group (each group packs its own buckets)
+        open_per_group: dict[int, int] = {}
+        for b, n in zip(host_buckets, padded):
+            open_per_group[b.group] = max(open_per_group.get(b.group, 0), n)
+        nbytes, what = sum(open_per_group.values()) * link, f"grad buckets ({len(open_per_group)} open)"
+    elif link == 4:  # fp32 from the first micro-batch on: every host bucket until its reduce-scatter
+        nbytes, what = sum(padded) * 4, "grad buckets (all, fp32)"
+    elif policy.micro_batches == 2:
+        # every bucket holds the first micro-batch in the link dtype; at the second each is upcast
+        # to fp32, then cast back for its reduce-scatter: one bucket in fp32 on top at a time
+        nbytes, what = sum(padded) * link + max(padded) * 4, "grad buckets (all)"
+    else:  # upcast at the second micro-batch: all in fp32; one cast back for its reduce-scatter
+        nbytes, what = sum(padded) * 4 + max(padded) * link, "grad buckets (all, fp32)"
+    # the copy-backs all-gather bucket after bucket; a process group may hold the previous
+    # bucket's buffers until it drops that collective's work (gloo: tests/test_dp_memory.py)
+    gathered = ALL_GATHERS_LIVE * (max(padded) + max(shards)) * _size(policy.device_dtype)
+    return [FootprintRow(what, "device", nbytes, transient=True),
+            FootprintRow("reduce-scatter shard", "device", max(shards) * link, transient=True),
+            FootprintRow(f"all-gather ({ALL_GATHERS_LIVE} buckets)", "device", gathered, transient=True)]
 
 
 def format_footprint(rows: Sequence[FootprintRow], num_params: int) -> str:

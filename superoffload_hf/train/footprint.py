@@ -1,7 +1,12 @@
 """`superoffload train --dry-run`: the memory the run will need, per buffer kind, computed by
 the engine's own allocation arithmetic (engine.layout.estimate) for the model built on the
 meta device: nothing is downloaded but the model's config.json (read from a local directory or
-the local hub cache), and no byte of the model is allocated."""
+the local hub cache), and no byte of the model is allocated.
+
+`--num_processes N` (and `--num_machines M`, as `superoffload launch` takes them) prints one
+rank's memory under data parallelism over N ranks, each holding 1/N of every host bucket's
+state (engine.layout.estimate with a shard world of N: the arithmetic the engine sizes its
+buffers with under data parallelism), and the total of the N / M ranks that share a host."""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ from typing import Any, Optional
 from superoffload_hf.train.recipe import Recipe
 
 
-def memory_report(recipe: Recipe) -> str:
+def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1) -> str:
+    """The memory table of `recipe`; with `num_processes` > 1, one rank's and one host's."""
     if recipe.superoffload is None:
         return "memory: not estimated (superoffload: false runs the stock optimizer)"
     import torch
@@ -36,12 +42,37 @@ def memory_report(recipe: Recipe) -> str:
                           {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, **hyper}) if g["params"]]
     config = SuperOffloadConfig.coerce(recipe.superoffload)
     accelerator = not t.get("use_cpu", False)
-    plan, rows = estimate(params, groups, config, accelerator, int(t.get("gradient_accumulation_steps", 1)))
+    shard_world = num_processes if num_processes > 1 else None  # one process: no data parallelism
+    plan, rows = estimate(params, groups, config, accelerator, int(t.get("gradient_accumulation_steps", 1)),
+                          shard_world=shard_world)
     n = sum(p.numel() for p in params)
     where = "an accelerator (cast auto = host, device_buckets auto = 0)" if accelerator else "the CPU"
-    return "\n".join([f"memory: {n / 1e9:.3f}B parameters, {len(plan.buckets)} buckets, on {where}; "
-                      "activations and the device gradients of the model not included",
-                      format_footprint(rows, n)])
+    lines = [f"memory: {n / 1e9:.3f}B parameters, {len(plan.buckets)} buckets, on {where}; "
+             "activations and the device gradients of the model not included"]
+    if shard_world is not None:
+        lines.append(f"memory per rank, data parallel over {num_processes} processes (each rank holds "
+                     f"1/{num_processes} of every host bucket's master, moments and gradient staging):")
+    lines.append(format_footprint(rows, n))
+    if shard_world is not None:
+        lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
+    return "\n".join(lines)
+
+
+def per_host_lines(rows, ranks_per_host: int, num_machines: int, device_is_host: bool) -> str:
+    """The memory of the ranks that share one host: each rank's pinned and plain host memory
+    `ranks_per_host` times; its device memory too where the device is the CPU, else that is on
+    the rank's own GPU."""
+    machines = "1 machine" if num_machines == 1 else f"each of {num_machines} machines"
+    places = ("pinned", "host", "device") if device_is_host else ("pinned", "host")
+    what = ("memory (the device is the CPU)" if device_is_host
+            else "pinned and host memory (its device memory is on its own GPU)")
+    lines = [f"memory per host, {ranks_per_host} ranks on {machines}: {ranks_per_host} x a rank's {what}"]
+    for place in places:
+        total = ranks_per_host * sum(r.nbytes for r in rows if r.place == place)
+        lines.append(f"  {'total ' + place:<34}{total / 1e9:>10.3f}")
+    total = ranks_per_host * sum(r.nbytes for r in rows if r.place in places)
+    lines.append(f"  {'total ' + ' + '.join(places):<34}{total / 1e9:>10.3f}")
+    return "\n".join(lines)
 
 
 def _model_config(recipe: Recipe) -> Optional[Any]:
