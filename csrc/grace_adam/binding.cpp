@@ -1,6 +1,5 @@
 // The torch binding of GraceAdam: checks every input (nothing is touched when a check fails),
 // releases the GIL, and runs the core on the process's own thread pool.
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <unistd.h>
 
@@ -36,23 +35,6 @@ ThreadPool& pool() {
   if (g_pool.compare_exchange_strong(current, fresh)) return fresh->pool;
   delete fresh;
   return g_pool.load()->pool;
-}
-
-// Where a call's chunks run: this process's own pool, or torch's intra-op threads. The latter
-// when the device is the CPU and the host jobs run inline between torch's kernels: torch's OpenMP
-// workers spin for a while after each of them, and a second set of threads contending with them
-// for the same cores runs at a fraction of its speed. Chunks start at multiples of `grain` either way.
-enum class Threads : int64_t { kOwnPool = 0, kTorch = 1 };
-
-void parallel_for(int64_t threads_from, int64_t n, int64_t grain, const ThreadPool::SliceFn& fn) {
-  TORCH_CHECK_VALUE(threads_from == 0 || threads_from == 1, "`threads_from` is ", threads_from,
-                    "; expected 0 (the kernel's own pool) or 1 (torch's intra-op threads).");
-  if (static_cast<Threads>(threads_from) == Threads::kOwnPool) return pool().parallel_for(n, grain, fn);
-  if (n <= 0) return;
-  const int64_t grains = (n + grain - 1) / grain;
-  at::parallel_for(0, grains, 1, [&](int64_t first, int64_t last) {
-    fn(first * grain, std::min(n, last * grain));
-  });
 }
 
 std::string dtype_name(at::ScalarType st) {
@@ -186,9 +168,9 @@ void check_invertible(const Coeffs& c) {
 using Kernel = void (*)(Isa, float*, float*, float*, const void*, GradDtype, void*, LowpDtype, int64_t,
                         const Coeffs&);
 
-void run_on_pool(Kernel kernel, Isa isa, const Buffers& b, const Coeffs& c, int64_t threads_from) {
+void run_on_pool(Kernel kernel, Isa isa, const Buffers& b, const Coeffs& c) {
   pybind11::gil_scoped_release no_gil;
-  parallel_for(threads_from, b.n, kStepGrain, [&](int64_t begin, int64_t end) {
+  pool().parallel_for(b.n, kStepGrain, [&](int64_t begin, int64_t end) {
     uint16_t* lowp = b.lowp == nullptr ? nullptr : static_cast<uint16_t*>(b.lowp) + begin;
     kernel(isa, b.p + begin, b.m + begin, b.v + begin, grad_offset(b.g, b.gd, begin), b.gd, lowp, b.ld,
            end - begin, c);
@@ -198,25 +180,25 @@ void run_on_pool(Kernel kernel, Isa isa, const Buffers& b, const Coeffs& c, int6
 void adam_step_(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                 const at::Tensor& grad, const std::optional<at::Tensor>& param_lowp, int64_t step, double lr,
                 double beta1, double beta2, double eps, double weight_decay, bool adamw, bool bias_correction,
-                double grad_scale, int64_t isa, int64_t threads_from) {
+                double grad_scale, int64_t isa) {
   const Buffers b = check_buffers(param, exp_avg, exp_avg_sq, grad, param_lowp);
   const Coeffs c = check_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
-  run_on_pool(&grace_adam::step, check_isa(isa), b, c, threads_from);
+  run_on_pool(&grace_adam::step, check_isa(isa), b, c);
 }
 
 void adam_rollback_(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                     const at::Tensor& grad, const std::optional<at::Tensor>& param_lowp, int64_t step, double lr,
                     double beta1, double beta2, double eps, double weight_decay, bool adamw,
-                    bool bias_correction, double grad_scale, int64_t isa, int64_t threads_from) {
+                    bool bias_correction, double grad_scale, int64_t isa) {
   const Buffers b = check_buffers(param, exp_avg, exp_avg_sq, grad, param_lowp);
   const Coeffs c = check_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
   check_invertible(c);
-  run_on_pool(&grace_adam::rollback, check_isa(isa), b, c, threads_from);
+  run_on_pool(&grace_adam::rollback, check_isa(isa), b, c);
 }
 
 // Block sums land in their own slots and are added in block order afterwards, so the result is
 // the same for any number of threads.
-double sum_squares_(const at::Tensor& grad, int64_t isa, int64_t threads_from) {
+double sum_squares_(const at::Tensor& grad, int64_t isa) {
   const GradDtype gd = check_grad(grad, grad.numel());
   const Isa chosen = check_isa(isa);
   const int64_t n = grad.numel();
@@ -224,7 +206,7 @@ double sum_squares_(const at::Tensor& grad, int64_t isa, int64_t threads_from) {
   std::vector<double> block_sums((n + kSumSquaresBlock - 1) / kSumSquaresBlock, 0.0);
   {
     pybind11::gil_scoped_release no_gil;
-    parallel_for(threads_from, n, kSumSquaresBlock, [&](int64_t begin, int64_t end) {
+    pool().parallel_for(n, kSumSquaresBlock, [&](int64_t begin, int64_t end) {
       for (int64_t at = begin; at < end; at += kSumSquaresBlock) {
         const int64_t len = std::min(kSumSquaresBlock, end - at);
         block_sums[at / kSumSquaresBlock] = sum_squares(chosen, grad_offset(g, gd, at), gd, len);
@@ -256,25 +238,24 @@ void check_grad_pair(const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK_VALUE(!overlaps(dst, src), "`dst` and `src` share memory; accumulate into a separate fp32 buffer.");
 }
 
-void run_grad_op(GradKernel kernel, const at::Tensor& dst, const at::Tensor& src, int64_t isa,
-                 int64_t threads_from) {
+void run_grad_op(GradKernel kernel, const at::Tensor& dst, const at::Tensor& src, int64_t isa) {
   const GradDtype sd = grad_dtype_of(src, "src");
   check_grad_pair(dst, src);
   const Isa chosen = check_isa(isa);
   float* out = dst.data_ptr<float>();
   const void* in = src.data_ptr();
   pybind11::gil_scoped_release no_gil;
-  parallel_for(threads_from, dst.numel(), kGradGrain, [&](int64_t begin, int64_t end) {
+  pool().parallel_for(dst.numel(), kGradGrain, [&](int64_t begin, int64_t end) {
     kernel(chosen, out + begin, grad_offset(in, sd, begin), sd, end - begin);
   });
 }
 
-void grad_copy_(const at::Tensor& dst, const at::Tensor& src, int64_t isa, int64_t threads_from) {
-  run_grad_op(&grace_adam::grad_copy, dst, src, isa, threads_from);
+void grad_copy_(const at::Tensor& dst, const at::Tensor& src, int64_t isa) {
+  run_grad_op(&grace_adam::grad_copy, dst, src, isa);
 }
 
-void grad_accumulate_(const at::Tensor& dst, const at::Tensor& src, int64_t isa, int64_t threads_from) {
-  run_grad_op(&grace_adam::grad_accumulate, dst, src, isa, threads_from);
+void grad_accumulate_(const at::Tensor& dst, const at::Tensor& src, int64_t isa) {
+  run_grad_op(&grace_adam::grad_accumulate, dst, src, isa);
 }
 
 void set_num_threads(int64_t threads) {
@@ -296,7 +277,7 @@ void def_update(pybind11::module_& module, const char* name, Fn fn, const char* 
   module.def(name, fn, doc, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"),
              py::arg("param_lowp"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
              py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
-             py::arg("grad_scale"), py::arg("isa"), py::arg("threads_from") = 0);
+             py::arg("grad_scale"), py::arg("isa"));
 }
 
 }  // namespace
@@ -308,11 +289,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   def_update(module, "adam_step_", &adam_step_, "One Adam step in place.");
   def_update(module, "adam_rollback_", &adam_rollback_, "Undo adam_step_ (same gradient and arguments) in place.");
   module.def("sum_squares", &sum_squares_, "Sum of squares of a flat gradient, in float64.", py::arg("grad"),
-             py::arg("isa"), py::arg("threads_from") = 0);
+             py::arg("isa"));
   module.def("grad_copy_", &grad_copy_, "dst = float(src) (src fp32, bf16 or fp16), in place.", py::arg("dst"),
-             py::arg("src"), py::arg("isa"), py::arg("threads_from") = 0);
+             py::arg("src"), py::arg("isa"));
   module.def("grad_accumulate_", &grad_accumulate_, "dst += float(src) (one fp32 add; src fp32, bf16 or fp16).",
-             py::arg("dst"), py::arg("src"), py::arg("isa"), py::arg("threads_from") = 0);
+             py::arg("dst"), py::arg("src"), py::arg("isa"));
   module.def("set_num_threads", &set_num_threads, "Resize this process's kernel thread pool.", py::arg("threads"));
   module.def("get_num_threads", &get_num_threads, "Size of this process's kernel thread pool.");
   module.def("best_isa", [] { return static_cast<int64_t>(best_isa()); });

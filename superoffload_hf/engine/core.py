@@ -86,18 +86,13 @@ class Engine:
             cores = len(placement.cores) if self.runtime.host_is_device else placement.threads
             threads = cores if threads == "auto" else threads
             self.host_threads_note = placement.note
-        # The CPU as the device, nothing placed by hand: the jobs run inline between torch's kernels,
-        # so the kernel runs on torch's intra-op threads (a pool of its own would contend with them).
-        torch_threads = placement is None and threads == "auto" and self.runtime.host_is_device
-        if torch_threads:
-            threads = default_threads()
-            self.host_threads_note = "auto: the device is the CPU: jobs run inline, on torch's intra-op threads"
         elif threads == "auto":
             cores = default_threads()
             threads = auto_host_threads(cores, self.runtime.host_is_device)
-            self.host_threads_note = f"auto: {threads} of {cores} cores, one left for the training thread"
+            self.host_threads_note = (f"auto: {threads} of {cores} cores, " + ("the device is the CPU: jobs run inline"
+                                      if self.runtime.host_is_device else "one left for the training thread"))
         with bound_to(placement):  # the kernel's pool threads inherit the creating thread's cores
-            self.adam = get_host_adam(config.host_kernel, threads=threads, torch_threads=torch_threads)
+            self.adam = get_host_adam(config.host_kernel, threads=threads)
         self.observer = StepObserver(self.runtime, counters, config.timeline_dir, config.timeline_steps)
         self.jobs = HostJobs(self.adam, self.transfer, adamw, config.rollback == "snapshot", counters,
                              self.observer.timeline)

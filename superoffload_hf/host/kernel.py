@@ -128,52 +128,45 @@ class ReferenceHostAdam:
 
 class CppHostAdam:
     """The GraceAdam kernel. Its thread pool belongs to the process (shared by every instance); every
-    method, ``grad_copy_`` / ``grad_accumulate_`` included, runs on it with the GIL released, or,
-    with ``torch_threads=True``, on torch's intra-op threads instead (for the CPU as the device,
-    where the kernel runs between torch's own kernels on the same cores)."""
+    method, ``grad_copy_`` / ``grad_accumulate_`` included, runs on it with the GIL released."""
 
     name = "cpp"
 
-    def __init__(self, extension, isa: str, torch_threads: bool = False) -> None:
+    def __init__(self, extension, isa: str) -> None:
         self._ext = extension
         self.isa = isa
         self._isa_code = ISA_CODES[isa]
-        self.torch_threads = torch_threads
-        self._threads_from = int(torch_threads)
 
     @property
     def threads(self) -> int:
-        return torch.get_num_threads() if self.torch_threads else int(self._ext.get_num_threads())
+        return int(self._ext.get_num_threads())
 
     def adam_step_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
                    adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
         hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
-        self._ext.adam_step_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code,
-                             self._threads_from)
+        self._ext.adam_step_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code)
 
     def adam_rollback_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
                        adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
         hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
-        self._ext.adam_rollback_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code,
-                                 self._threads_from)
+        self._ext.adam_rollback_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code)
 
     def sum_squares(self, grad: torch.Tensor) -> float:
-        return float(self._ext.sum_squares(grad, self._isa_code, self._threads_from))
+        return float(self._ext.sum_squares(grad, self._isa_code))
 
     def grad_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst = float(src) on the kernel's threads (src fp32/bf16/fp16, dst fp32, same numel)."""
-        self._ext.grad_copy_(dst, src, self._isa_code, self._threads_from)
+        self._ext.grad_copy_(dst, src, self._isa_code)
 
     def grad_accumulate_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst += float(src), one fp32 add per element, on the kernel's threads."""
-        self._ext.grad_accumulate_(dst, src, self._isa_code, self._threads_from)
+        self._ext.grad_accumulate_(dst, src, self._isa_code)
 
     def set_num_threads(self, n: int) -> None:
         self._ext.set_num_threads(_check_threads(n))
 
     def describe(self) -> str:
-        where = "torch's intra-op threads" if self.torch_threads else "threads"
-        return (f"host Adam: cpp (GraceAdam, isa {self.isa}, {self.threads} {where}; "
+        return (f"host Adam: cpp (GraceAdam, isa {self.isa}, {self.threads} threads; "
                 f"supported isas: {', '.join(supported_isas(self._ext))})")
 
 
@@ -183,22 +176,20 @@ _last_backend = None
 _warned_fallback = False
 
 
-def get_host_adam(mode: str = "auto", threads: Optional[int] = None, isa: Optional[str] = None,
-                  torch_threads: bool = False):
+def get_host_adam(mode: str = "auto", threads: Optional[int] = None, isa: Optional[str] = None):
     """The host Adam back end for `mode` ("auto" | "cpp" | "reference"), `threads` (None: the cores
-    this process may run on) and `isa` (None: the best this CPU supports). `torch_threads`: the
-    kernel runs on torch's intra-op threads, not its own pool (`threads` then sizes only the pool)."""
+    this process may run on) and `isa` (None: the best this CPU supports)."""
     global _last_backend
     if mode not in MODES:
         raise ValueError(f"`mode` is {mode!r}; valid choices are {list(MODES)}.")
     if isa is not None and isa not in ISA_CODES:
         raise ValueError(f"`isa` is {isa!r}; valid choices are None (the best supported) or {list(ISA_CODES)}.")
     threads = default_threads() if threads is None else _check_threads(threads)
-    _last_backend = _choose_backend(mode, threads, isa, torch_threads)
+    _last_backend = _choose_backend(mode, threads, isa)
     return _last_backend
 
 
-def _choose_backend(mode: str, threads: int, isa: Optional[str], torch_threads: bool = False):
+def _choose_backend(mode: str, threads: int, isa: Optional[str]):
     if os.environ.get(FORCE_REFERENCE_ENV, "") not in ("", "0"):
         return ReferenceHostAdam(threads, reason=f"forced by {FORCE_REFERENCE_ENV}=1")
     if mode == "reference":
@@ -210,7 +201,7 @@ def _choose_backend(mode: str, threads: int, isa: Optional[str], torch_threads: 
             raise
         _warn_fallback_once(error)
         return ReferenceHostAdam(threads, reason=f"fallback: {str(error).splitlines()[0]}")
-    backend = CppHostAdam(extension, _resolve_isa(extension, isa), torch_threads)
+    backend = CppHostAdam(extension, _resolve_isa(extension, isa))
     backend.set_num_threads(threads)
     return backend
 
