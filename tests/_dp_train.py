@@ -6,6 +6,7 @@ on a non-finite norm, torch.optim.AdamW), compared parameter by parameter after 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import types
 from typing import Optional
@@ -23,21 +24,27 @@ from _models import (
 )
 
 
+LAYERS = 4  # TinyLM's blocks
+
+
 class TinyLM(torch.nn.Module):
     """A causal LM small enough to start fast in a spawned process (no transformers import):
     embedding, residual MLP blocks with LayerNorm, untied head; `model(**batch).loss`."""
 
-    def __init__(self, vocab: int = 128, hidden: int = 32, layers: int = 4):
+    def __init__(self, vocab: int = 128, hidden: int = 32, layers: int = LAYERS):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, hidden)
         self.layers = torch.nn.ModuleList(torch.nn.Sequential(
             torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
             torch.nn.Linear(2 * hidden, hidden)) for _ in range(layers))
         self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.skip: frozenset = frozenset()  # indices of layers this forward leaves out (no gradient)
 
     def forward(self, input_ids, labels):
         h = self.embed(input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.skip:
+                continue
             h = h + layer(h)
         logits = self.head(h)[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
@@ -58,6 +65,25 @@ def rank_batches(step: int, rank: int, world: int, accumulation: int) -> list[di
     return micro_batches(step * world + rank, accumulation)
 
 
+def skipped_layers(skip: Optional[dict], rank: int, step: int, micro: int) -> frozenset:
+    """The layers rank `rank` leaves out of micro-batch `micro` of `step`: `skip` maps (rank, step)
+    (every micro-batch) or (rank, step, micro) to layer indices."""
+    if not skip:
+        return frozenset()
+    return frozenset(skip.get((rank, step), ())) | frozenset(skip.get((rank, step, micro), ()))
+
+
+def unused_everywhere(skip: Optional[dict], world: int, step: int, accumulation: int, idle) -> frozenset:
+    """The layers no rank runs in any micro-batch of `step` (their parameters get no gradient)."""
+    layers = every = frozenset(range(LAYERS))
+    for r in range(world):
+        if (r, step) in idle:
+            continue
+        for micro in range(accumulation):
+            layers -= every - skipped_layers(skip, r, step, micro)
+    return layers
+
+
 def params_digest(model) -> str:
     h = hashlib.sha256()
     for _, p in sorted(read_params(model).items()):
@@ -66,14 +92,16 @@ def params_digest(model) -> str:
 
 
 def reference_step(ref, ref_opt, step, world, accumulation, clip, poison: Optional[GradPoison],
-                   poison_rank: int, idle: tuple = (None, None)) -> tuple[bool, float, Optional[float]]:
+                   poison_rank: int, idle=(), skip: Optional[dict] = None) -> tuple[bool, float, Optional[float]]:
     for r in range(world):
-        if (r, step) == idle:
+        if (r, step) in idle:
             continue  # that rank has no gradient this step: it contributes zeros to the average
         if poison is not None:
             poison.step = step if r == poison_rank else -1
-        for batch in rank_batches(step, r, world, accumulation):
+        for micro, batch in enumerate(rank_batches(step, r, world, accumulation)):
+            ref.skip = skipped_layers(skip, r, step, micro)  # absent there: zeros in the average
             (ref(**batch).loss / (accumulation * world)).backward()
+    ref.skip = frozenset()
     params = [p for p in ref.parameters() if p.grad is not None]
     if isinstance(clip, RelativeMaxNorm):
         clip = clip.resolve(float(torch.nn.utils.get_total_norm([p.grad for p in params])))
@@ -89,8 +117,13 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
           accumulation: int = 1, poison_rank: Optional[int] = None, poison_steps=(2,),
           config: Optional[dict] = None, check_state: bool = True, start_step: int = 0,
           save_dir: Optional[str] = None, load_dir: Optional[str] = None,
-          shard_group_size: Optional[int] = None, idle: tuple = (None, None)) -> dict:
+          shard_group_size: Optional[int] = None, idle=(), skip: Optional[dict] = None,
+          eps: float = 1e-8) -> dict:
     """Returns the per-step parameter digests (bitwise identity across ranks is the caller's).
+    `idle`: (rank, step) pairs where that rank runs no backward at all; `skip`: layers a rank leaves
+    out of a step or micro-batch (see skipped_layers); where every rank leaves a layer out, its
+    parameters' master and moments must come out of the step bitwise unchanged (as torch.optim
+    skips a parameter whose grad is None).
     `save_dir`: after training, every rank saves its optimizer state (a shard file per rank, or
     optimizer.pt in one process) and rank 0 the weights and the stock reference's model and
     optimizer; `load_dir`: start from there (the reference continues the saved stock run)."""
@@ -108,8 +141,8 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
         import torch.distributed as dist
 
         group, _ = dist.new_subgroups(group_size=shard_group_size)
-    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, config=cfg, process_group=group)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=1e-2, foreach=False)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, eps=eps, config=cfg, process_group=group)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=1e-2, eps=eps, foreach=False)
     if load_dir is not None:
         ref_opt.load_state_dict(torch.load(f"{load_dir}/ref_opt.pt", weights_only=True))
         if shard_checkpoint.shard_files(load_dir):
@@ -122,19 +155,31 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
     poison = GradPoison(target, values) if poison_rank == rank else None
     ref_poison = GradPoison(ref_target, values) if poison_rank is not None else None
     digests, skipped = [], []
+    held_log = _LogLines("held")
+    package_logger = logging.getLogger("superoffload_hf")
+    level = package_logger.level
+    package_logger.addHandler(held_log)
+    package_logger.setLevel(logging.INFO)
     try:
         assert_params_close(model, ref, "after construction", exact=load_dir is None)
         for step in range(start_step, start_step + steps):
             where = f"rank {rank}/{world} step {step}"
             ref_skipped, ref_norm, max_norm = reference_step(ref, ref_opt, step, world, accumulation,
-                                                             CLIPS[clip](step), ref_poison, poison_rank, idle)
+                                                             CLIPS[clip](step), ref_poison, poison_rank, idle, skip)
             opt.max_grad_norm = max_norm
             if poison is not None:
                 poison.step = step
-            for batch in rank_batches(step, rank, world, accumulation) if (rank, step) != idle else ():
+            unused = _layer_params(model, unused_everywhere(skip, world, step, accumulation, idle))
+            before = _pieces(opt, unused)
+            for micro, batch in enumerate(rank_batches(step, rank, world, accumulation)):
+                if (rank, step) in idle:
+                    break
+                model.skip = skipped_layers(skip, rank, step, micro)
                 (model(**batch).loss / accumulation).backward()
+            model.skip = frozenset()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            _assert_untouched(before, _pieces(opt, unused), where)
             assert opt.last_step_skipped == ref_skipped, f"{where}: skipped {opt.last_step_skipped}, torch {ref_skipped}"
             if not ref_skipped:
                 assert abs(opt.last_grad_norm - ref_norm) <= 1e-5 * ref_norm, f"{where}: norm {opt.last_grad_norm} vs {ref_norm}"
@@ -162,8 +207,49 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
                 torch.save(ref_opt.state_dict(), f"{save_dir}/ref_opt.pt")
         counters = opt.counters.as_dict()
     finally:
+        package_logger.removeHandler(held_log)
+        package_logger.setLevel(level)
         opt.close()
-    return {"digests": digests, "skipped": skipped, "counters": counters, "summary": opt.describe()}
+    return {"digests": digests, "skipped": skipped, "counters": counters, "summary": opt.describe(),
+            "held_log": held_log.lines}
+
+
+class _LogLines(logging.Handler):
+    """The engine's log messages that contain `word` (at any level)."""
+
+    def __init__(self, word: str):
+        super().__init__(logging.DEBUG)
+        self.word, self.lines = word, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if self.word in message:
+            self.lines.append(message)
+
+
+def _layer_params(model, layers: frozenset) -> list[int]:
+    """Optimizer indices (the model's parameter order) of the parameters of `layers`."""
+    return [i for i, (name, _) in enumerate(model.named_parameters())
+            if name.startswith("layers.") and int(name.split(".")[1]) in layers]
+
+
+def _pieces(opt, indices: list[int]) -> dict:
+    """This rank's state (step, master, moments: copies) of the parameters `indices`."""
+    if not indices:
+        return {}
+    sd = opt.state_dict()
+    pieces = sd["pieces"] if "pieces" in sd else sd["state"]
+    return {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in pieces[i].items()}
+            for i in indices if i in pieces}
+
+
+def _assert_untouched(before: dict, after: dict, where: str) -> None:
+    assert before.keys() == after.keys(), f"{where}: state of {sorted(set(before) ^ set(after))} appeared"
+    for i, entry in before.items():
+        assert int(after[i]["step"]) == int(entry["step"]), f"{where}: parameter {i} without a gradient was stepped"
+        for key in ("master_param", "exp_avg", "exp_avg_sq"):
+            if key in entry:
+                assert torch.equal(after[i][key], entry[key]), f"{where}: parameter {i} {key} changed without a gradient"
 
 
 class _Wrapped:

@@ -122,7 +122,7 @@ class RelativeMaxNorm:
         self.fraction = fraction
 
     def resolve(self, grad_norm: float) -> float:
-        return self.fraction * grad_norm if math.isfinite(grad_norm) else 1.0
+        return self.fraction * grad_norm if math.isfinite(grad_norm) and grad_norm > 0 else 1.0
 
     def __repr__(self) -> str:
         return f"{self.fraction} x norm"

@@ -38,6 +38,8 @@ def _exercise(rank: int, world: int, subgroups: bool) -> dict:
     out["fallback"] = fallback
     out["sum"] = coll.all_reduce_sum(float(rank) + 0.5)
     out["presence"] = coll.all_reduce_presence(torch.tensor([rank == 0, 0, 1], dtype=torch.int32))
+    out["control"] = (dist.get_backend(coll.control_group), dist.get_world_size(coll.control_group),
+                      coll.control_group not in (coll.grad_group, coll.world_group, coll.replica_group))
     # the worker thread's all-gather runs while the training thread issues its own collectives
     gathered = torch.empty(n * t.shard_world)
     worker = threading.Thread(target=coll.all_gather, args=(torch.full((n,), float(t.shard_rank)), gathered))
@@ -76,6 +78,7 @@ def test_collectives_average_gather_and_reduce(four_ranks, subgroups):
         group_ranks = [r for r in range(world) if (r // 2 if subgroups else 0) == (rank // 2 if subgroups else 0)]
         assert out["sum"] == sum(r + 0.5 for r in group_ranks)
         assert out["presence"].tolist() == [True, False, True]
+        assert out["control"] == ("gloo", world, True)  # presence: a host group of its own, every rank
         torch.testing.assert_close(out["gathered"], torch.arange(shard_world).repeat_interleave(3).float())
         torch.testing.assert_close(out["mean"], torch.full((2,), (world - 1) / 2))
         torch.testing.assert_close(out["broadcast"], torch.zeros(2))

@@ -14,16 +14,22 @@ the *replica groups* (rank j of every shard group) hold identical copies of shar
   worker thread.
 * `all_reduce_sum`: one float64 scalar (the sum of squares of the rank's shards) over the shard
   group: replicas hold the same shards and must not be counted twice.
-* `all_reduce_presence`, `all_reduce_mean` (device-resident buckets are replicated, not sharded)
-  and `broadcast`: over the world.
+* `all_reduce_mean` (device-resident buckets are replicated, not sharded) and `broadcast`: over
+  the world.
+* `all_reduce_presence`: which parameters have a gradient on any rank, over the world, on the
+  *control group*, a gloo group no other collective uses: the vector lives on the host (no device
+  synchronization, and no second NCCL communicator interleaving with reduce-scatters in flight).
 
-Thread safety: two threads issuing collectives on one process group can interleave differently
-on different ranks and deadlock (or silently pair the wrong tensors). So the training thread and
-the host worker thread use separate process groups (`dist.new_group`): the training thread's
-collectives (reduce-scatter, norm, presence, device buckets) are issued in program order, the
-worker's all-gathers in job order, and both orders are the same on every rank (the engine's
-contract: every rank launches the buckets in the same order, and queues the same validated
-copy-backs in bucket order).
+Ordering. Collectives on one process group pair up by their order on each rank: ranks that issue
+them in different orders deadlock, fail on a size mismatch, or silently exchange the wrong
+tensors of equal size. So the training thread and the host worker thread use separate process
+groups (`dist.new_group`), and each group's collectives are issued in one order on every rank
+(the engine's contract, engine/dp.py): the training thread's reduce-scatters in the plan's bucket
+order, whichever order this rank's gradients completed in (zeros for the gradients it lacks),
+then presence, the late buckets, the device buckets and the norm; the worker's all-gathers in
+job order (the same validated copy-backs, in bucket order, everywhere). On gloo a collective
+blocks its caller until every peer has issued it: a rank issues everything a peer may already
+wait for (its remaining reduce-scatters) before a collective on another group.
 """
 
 from __future__ import annotations
@@ -82,13 +88,14 @@ class Collectives:
     """Process groups for one optimizer, and the collectives the engine issues on them."""
 
     def __init__(self, topology: Topology, grad_group, gather_group, replica_group, world_group,
-                 backend: str):
+                 control_group, backend: str):
         self.topology = topology
         self.grad_group = grad_group  # training thread, shard group
         self.gather_group = gather_group  # host worker thread, shard group
         self.replica_group = replica_group  # training thread; None without replicas
         self.world_group = world_group  # training thread, every rank
-        self.backend = backend
+        self.control_group = control_group  # training thread, every rank, gloo: presence only
+        self.backend = backend  # of the data groups (the control group is gloo)
         self.has_reduce_scatter = True  # False after gloo refused one (see reduce_scatter_mean)
 
     @classmethod
@@ -120,10 +127,10 @@ class Collectives:
                                        local_numa_nodes=tuple(everyone[r][2] for r in local))
         kw = {} if timeout is None else {"timeout": timeout}
 
-        def groups_for(member_lists):
+        def groups_for(member_lists, **backend):
             mine = None
             for ranks in member_lists:  # every rank creates every group, in the same order
-                group = dist.new_group(list(ranks), **kw)
+                group = dist.new_group(list(ranks), **kw, **backend)
                 if rank in ranks:
                     mine = group
             return mine
@@ -132,7 +139,9 @@ class Collectives:
         gather_group = groups_for(topology.shard_groups)
         replica_group = groups_for(topology.replica_groups()) if topology.replicas > 1 else None
         world_group = grad_group if topology.replicas == 1 else groups_for([tuple(range(world))])
-        return cls(topology, grad_group, gather_group, replica_group, world_group, dist.get_backend(grad_group))
+        control_group = groups_for([tuple(range(world))], backend="gloo")
+        return cls(topology, grad_group, gather_group, replica_group, world_group, control_group,
+                   dist.get_backend(grad_group))
 
     @property
     def world(self) -> int:
@@ -178,12 +187,13 @@ class Collectives:
         return float(t.item())
 
     def all_reduce_presence(self, flags: torch.Tensor) -> torch.Tensor:
-        """Element-wise "any rank" of a 0/1 vector (int32, on the host), over every rank."""
+        """Element-wise "any rank" of a 0/1 vector (int32, on the host), over every rank, on the
+        control group (host memory: no device synchronization)."""
         import torch.distributed as dist
 
-        t = flags.to(device=self._device(self.world_group), dtype=torch.int32)
-        dist.all_reduce(t, group=self.world_group)
-        return (t > 0).cpu()
+        t = flags.to(device="cpu", dtype=torch.int32, copy=True)
+        dist.all_reduce(t, group=self.control_group)
+        return t > 0
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> None:
         """In place: the mean over every rank (a replicated, device-resident bucket's gradient)."""

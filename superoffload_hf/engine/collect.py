@@ -177,8 +177,9 @@ class Collector:
             if p.grad is not None and not isinstance(p.grad, HeldGrad):
                 self.on_grad_accumulated(p)
 
-    def finish(self) -> None:
-        """Flush partial rounds and launch every staged bucket not launched yet."""
+    def finish(self) -> bool:
+        """Flush partial rounds and launch every staged bucket not launched yet. False when
+        there is nothing to step (data parallel: no rank had a gradient)."""
         if self.engine.dp is not None:
             return self.engine.dp.finish()
         for rt in self.buckets.host():
@@ -187,6 +188,7 @@ class Collector:
             if rt.staged and not rt.launched:
                 self._mark_launched(rt)
                 self.worker.submit(functools.partial(self.jobs.launch, rt, None), rt.pending)
+        return True
 
     def discard(self) -> None:
         """Forget this step's gradients (zero_grad() between backward and step()), undoing any

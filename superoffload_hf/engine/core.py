@@ -174,14 +174,17 @@ class Engine:
     def step(self, max_grad_norm: Optional[float]) -> Decision:
         self.worker.raise_if_failed()
         self.buckets.check_aliases()
-        if not self.has_pending_gradients() and not any(p.requires_grad and p.grad is not None
-                                                        for p in self.unhooked):
-            if self.dp is None or not bool(self.dp.presence().any()):  # data parallel: on no rank
-                return EMPTY_STEP  # torch semantics: no gradient, no update; no step counted, no loss-scale growth
+        # torch semantics: no gradient, no update; no step counted, no loss-scale growth
+        if self.dp is None and not self.has_pending_gradients() and not any(
+                p.requires_grad and p.grad is not None for p in self.unhooked):
+            return EMPTY_STEP  # (data parallel: other ranks may have gradients; finish() tells)
         started = self.observer.step_begins()
         self.transfer.fence()  # this step's copy-backs wait for kernels queued before step()
         self.collector.adopt_unhooked_grads()
-        self.collector.finish()
+        if not self.collector.finish():  # data parallel: no rank had a gradient
+            self._forget_step()  # the buckets each rank launched with zeros before it knew
+            self.observer.step_ends(started, EMPTY_STEP, self.step_state)
+            return EMPTY_STEP
         decision = decide(self.committer.global_sum_squares(), self.loss_scale.scale, max_grad_norm)
         self.committer.apply(decision)
         self.committer.account(decision)
@@ -293,6 +296,10 @@ class Engine:
         self.committer.account_flags()
         if self.fire_log is not None:
             self.fire_log = FireLog(len(self.params))
+        self._forget_step()
+
+    def _forget_step(self) -> None:
+        """Wait for the buckets' jobs; every bucket idle, nothing collected."""
         self.synchronize()
         for rt in self.runtimes:
             rt.move(BucketState.IDLE)

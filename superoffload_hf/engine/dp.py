@@ -13,22 +13,46 @@ master and moments, plus its shard of the gradient staging. Per step and host bu
                             ranks of this rank's shard; its copy to the host staging; the worker
                             computes the shard's float64 sum of squares and, speculatively, steps
                             the shard (no copy-back yet: the device keeps the old weights)
-  step()                    presence of every parameter (one small all-reduce, so a parameter
-                            without a gradient on any rank is not stepped, as in torch), buckets
-                            not launched yet launched in bucket order, the device-resident
-                            buckets' gradients averaged (they are replicated, not sharded), and
-                            the local sums of squares all-reduced (one float64 scalar): clip
-                            coefficient and skip decision are identical on every rank; commit /
+  step()                    the buckets not launched yet launched (zeros for the gradients this
+                            rank lacks), then presence of every parameter (one small all-reduce
+                            on a process group of its own: a parameter without a gradient on any
+                            rank is not stepped, as in torch), the late buckets launched (below),
+                            the device-resident buckets' gradients averaged (they are
+                            replicated, not sharded), and the local
+                            sums of squares all-reduced (one float64 scalar): clip coefficient
+                            and skip decision are identical on every rank; commit /
                             rollback+replay / skip per shard, on every rank together
   copy-back (worker)        after validation only, one per stepped bucket, queued in the same
                             order on every rank: the updated shard to the device and an all-gather
                             of the bucket's weights into the parameters (a separate process group
                             from the training thread's); the next forward waits for it per bucket
 
-Assumptions, as DDP's: every rank delivers gradients for the same buckets in the same order
-(the same model and graph), and a bucket receives no gradient after its last micro-batch
-(a re-opened bucket would need its gradient again: an error says so). The plan is the initial
-one on every rank (no re-planning from the first step's hook order under data parallelism).
+Launch order. Collectives on one process group pair up by their order on each rank, so every
+rank issues the reduce-scatters in one fixed order: the plan's bucket order (the order expected
+in backward), never the order this rank's buckets happen to complete in. A bucket complete
+before one ahead of it is held (`ready`) and launched as soon as everything ahead of it is; at
+step() each rank launches the rest of that order, with zeros where it has no gradient, before it
+asks the others anything (on gloo a rank blocks inside a reduce-scatter until its peers issue the
+same one: a presence all-reduce first would deadlock with a peer that launched during backward).
+So a parameter may get its gradient on some ranks only (a conditional branch, an MoE expert, a
+layer one rank's data skips): it is averaged with zeros from the others (as DDP's
+`find_unused_parameters`), and only overlap is lost, for the buckets held behind it (logged
+once). Buckets that had no gradient on any rank at the last step are left out of that order and
+launched after the presence all-reduce, only if some rank has a gradient for them now: the
+same decision on every rank, and a bucket no rank uses costs no collective after its first step.
+With replicas (ranks holding the same shard, each stepping it), a bucket launched at step() is
+stepped speculatively where it would have been during backward, so a shard's replicas take the
+same path whichever of them held it: one speculative step rolled back and replayed differs from
+one step in the last bits (this assumes the hyperparameters do not change between backward and
+step(), as they do not under the HF Trainer).
+
+Assumptions, as DDP's: a bucket receives no gradient after its last micro-batch (a re-opened
+bucket would need its gradient again: an error says so), and every rank calls step() at the same
+point. A peer may wait inside a reduce-scatter until this rank reaches step(): no other
+collective on these ranks may run between backward and step(), and zero_grad() in between (a
+discard) is safe only where every rank launched the same buckets during backward. The plan is
+the initial one on every rank (no re-planning from the first step's hook order under data
+parallelism).
 """
 
 from __future__ import annotations
@@ -81,7 +105,16 @@ class DataParallel:
         self.engine = engine  # read at use (buckets, worker, waiter, step state)
         t = collectives.topology
         self.rank, self.world = t.shard_rank, t.shard_world
-        self._anywhere: Optional[torch.Tensor] = None  # presence() of this step, until finish()
+        # Launch order (module docstring). Global: the same on every rank, from the plan and
+        # presence results only. Host buckets (by index) without a gradient on any rank at the
+        # last step: launched after presence, not during backward.
+        self._unused_last_step: frozenset[int] = frozenset()
+        # This step's, until finish() or discard(): the buckets launched during backward in this
+        # order (None: not drawn up yet), how many of them are launched, the complete ones.
+        self._order: Optional[list[BucketRuntime]] = None
+        self._launched = 0
+        self._ready: set[int] = set()
+        self._held_logged = False
 
     def shard(self, bucket) -> Shard:
         return shard_of(bucket, self.rank, self.world)
@@ -100,10 +133,11 @@ class DataParallel:
 
     def collect(self, rt: BucketRuntime, k: int, grad: torch.Tensor) -> None:
         e = self.engine
-        if rt.launched:
+        if rt.launched or rt.bucket.index in self._ready:
             raise GradientAfterLaunchError(
                 f"A gradient for parameter {rt.bucket.slots[k].index} arrived after its bucket "
-                f"{rt.bucket.index} was reduce-scattered (its last micro-batch had completed). Under data "
+                f"{rt.bucket.index} was reduce-scattered, or queued to be (its last micro-batch had "
+                "completed). Under data "
                 "parallelism a bucket's gradient leaves the rank at its last micro-batch: set "
                 "`gradient_accumulation_steps` (or Accelerate's accumulation) to the number of backward "
                 "passes per step, and run a forward between backward and step() only in no_grad.")
@@ -125,10 +159,34 @@ class DataParallel:
         if rt.round_complete:
             rt.round_fired = [False] * len(rt.bucket.slots)
             if rt.bucket.speculative and e.collector._is_last_micro_batch(rt):
-                self.launch(rt, e.collector._speculative_call(rt))
+                self._ready.add(rt.bucket.index)
+                self._launch_in_order()
+
+    def _launch_order(self) -> list[BucketRuntime]:
+        """The host buckets launched during backward, in the plan's order: the same list on every
+        rank (deferred buckets, and those without a gradient anywhere at the last step, launch at
+        step(), after presence)."""
+        if self._order is None:
+            self._order = [rt for rt in self.engine.buckets.host()
+                           if rt.bucket.speculative and rt.bucket.index not in self._unused_last_step]
+        return self._order
+
+    def _launch_in_order(self) -> None:
+        """Launch the complete buckets with every bucket ahead of them launched (the rest wait:
+        another rank may launch the one ahead, and its collective must pair with ours)."""
+        order = self._launch_order()
+        while self._launched < len(order) and order[self._launched].bucket.index in self._ready:
+            rt = order[self._launched]
+            self._launched += 1
+            self.launch(rt, self.engine.collector._speculative_call(rt))
 
     def launch(self, rt: BucketRuntime, spec) -> None:
         """Reduce-scatter the bucket; its shard to the host; queue the shard's norm (and step)."""
+        self._queue_jobs(rt, self._send(rt), spec)
+
+    def _send(self, rt: BucketRuntime) -> tuple:
+        """The bucket's reduce-scatter and the shard's copy to the host (LAUNCHED); returns what
+        the receive job needs."""
         e = self.engine
         link = e.collector.link_dtype
         flat = rt.round_dev
@@ -148,53 +206,105 @@ class DataParallel:
         rt.staged = True
         rt.move(BucketState.LAUNCHED)
         rt.norm_ready.clear()
+        return landed, event, issued
+
+    def _queue_jobs(self, rt: BucketRuntime, sent: tuple, spec) -> None:
+        e = self.engine
+        landed, event, issued = sent
         jobs = [functools.partial(e.jobs.receive, rt, landed, event, True, True, issued),
                 functools.partial(e.jobs.launch, rt, spec, e.step_state.budget)]
         e.worker.submit(lambda: [job() for job in jobs], rt.pending)
 
-    def finish(self) -> None:
-        """At step(): agree on which parameters have a gradient anywhere, launch the buckets not
-        launched yet (bucket order), average the device-resident buckets' gradients."""
+    def finish(self) -> bool:
+        """At step(): launch the rest of the launch order (zeros where this rank has no
+        gradient), agree on which parameters have a gradient anywhere, launch the late buckets
+        some rank has a gradient for, average the device-resident buckets' gradients; every
+        collective in the same order on every rank. False when no rank had any gradient."""
         e = self.engine
+        rest = self._launch_order()[self._launched:]
+        self._log_held(rest)
+        # Sent before presence: a peer may already wait inside one of these reduce-scatters.
+        sent = [(rt, self._send(self._collecting(rt))) for rt in rest]
         anywhere = self.presence()
-        self._anywhere = None
-        for rt in e.buckets.host():
-            if rt.launched:
-                continue
-            present = [bool(anywhere[s.index]) for s in rt.bucket.slots]
-            if not any(present):
-                continue
-            if rt.state is not BucketState.COLLECTING:
-                e.waiter.wait_idle(rt)
-                rt.move(BucketState.COLLECTING)
-            rt.present = present
-            self.launch(rt, None)
-        for rt in e.buckets.on_device():
-            present = [bool(anywhere[s.index]) for s in rt.bucket.slots]
-            if not any(present):
+        present = {rt.bucket.index: [bool(anywhere[s.index]) for s in rt.bucket.slots]
+                   for rt in e.buckets.runtimes}
+        self._new_step()
+        if not bool(anywhere.any()):  # (an empty step says nothing about which buckets go unused)
+            for rt, copy in sent:
+                self._queue_jobs(rt, copy, None)  # the engine waits for them and forgets the step
+            return False
+        host = list(e.buckets.host())
+        self._unused_last_step = frozenset(rt.bucket.index for rt in host if not any(present[rt.bucket.index]))
+        for rt, copy in sent:  # stepped where some rank has a gradient (zeros from the others)
+            rt.present = present[rt.bucket.index]
+            self._queue_jobs(rt, copy, self._spec_at_step(rt))
+        for rt in host:
+            if not rt.launched and any(present[rt.bucket.index]):  # the late ones, in plan order
+                rt.present = present[rt.bucket.index]
+                self._queue_jobs(rt, self._send(self._collecting(rt)), self._spec_at_step(rt))
+        self._average_device_buckets(present)
+        return True
+
+    def _average_device_buckets(self, present: dict) -> None:
+        """In bucket order, after presence: the same collectives on every rank."""
+        for rt in self.engine.buckets.on_device():
+            if not any(present[rt.bucket.index]):
                 continue
             for k, slot in enumerate(rt.bucket.slots):
                 if not rt.present[k]:
                     BucketBuffers.view(rt.bufs.grad, slot).zero_()  # stale from an earlier step
-            rt.present = present
+            rt.present = present[rt.bucket.index]
             self._host_collective_ready()
             self.coll.all_reduce_mean(rt.bufs.grad)
 
+    def _collecting(self, rt: BucketRuntime) -> BucketRuntime:
+        if rt.state is not BucketState.COLLECTING:
+            self.engine.waiter.wait_idle(rt)
+            rt.move(BucketState.COLLECTING)
+        return rt
+
+    def _spec_at_step(self, rt: BucketRuntime):
+        """With replicas, a bucket launched at step() is stepped speculatively when it would have
+        been during backward: its replicas (other ranks holding the same shard, some of which
+        may have launched it during backward) must take the same path, bitwise (a speculative
+        step rolled back and replayed differs in the last bits from one step). Without replicas
+        each shard is stepped on one rank only: no speculation at step(), where it cannot overlap."""
+        if self.coll.topology.replicas == 1 or not rt.bucket.speculative:
+            return None
+        return self.engine.collector._speculative_call(rt)
+
+    def _log_held(self, rest: list[BucketRuntime]) -> None:
+        """Once: buckets complete during backward but held behind one this rank had no
+        gradient for (their overlap with backward is lost)."""
+        held = [rt for rt in rest if rt.bucket.index in self._ready]
+        if self._held_logged or not held:
+            return
+        self._held_logged = True
+        ahead = [rt for rt in rest[:rest.index(held[-1])] if rt.bucket.index not in self._ready]
+        missing = sorted(s.index for rt in ahead for k, s in enumerate(rt.bucket.slots) if not rt.present[k])
+        logger.info("SuperOffload: data parallel: host buckets %s were complete during backward but held "
+                    "until step() (no overlap with backward): buckets %s ahead of them in the launch order "
+                    "were incomplete here, with no gradient on this rank for parameters %s. Every rank "
+                    "reduce-scatters the buckets in one order. Logged once.",
+                    [rt.bucket.index for rt in held], [rt.bucket.index for rt in ahead], missing)
+
     def presence(self) -> torch.Tensor:
-        """Per parameter: whether any rank has a gradient for it this step (one all-reduce per
-        step, cached until finish())."""
-        if self._anywhere is None:
-            e = self.engine
-            local = torch.zeros(len(e.params), dtype=torch.int32)
-            for rt in e.buckets.runtimes:
-                for k, slot in enumerate(rt.bucket.slots):
-                    local[slot.index] = int(rt.present[k])
-            self._anywhere = self.coll.all_reduce_presence(local)
-        return self._anywhere
+        """Per parameter: whether any rank has a gradient for it this step (one all-reduce on the
+        control group, after this rank's launches)."""
+        e = self.engine
+        local = torch.zeros(len(e.params), dtype=torch.int32)
+        for rt in e.buckets.runtimes:
+            for k, slot in enumerate(rt.bucket.slots):
+                local[slot.index] = int(rt.present[k])
+        return self.coll.all_reduce_presence(local)
+
+    def _new_step(self) -> None:
+        self._order, self._launched, self._ready = None, 0, set()
 
     def discard(self) -> None:
         """zero_grad() between backward and step(): forget the device accumulation; undo the
         speculative steps (their weights never reached the device)."""
+        self._new_step()
         for rt in self.engine.buckets.host():
             rt.round_dev = None
             if rt.launched:
