@@ -258,3 +258,38 @@ class _Wrapped:
 
     def state_dict(self):
         return self.sd
+
+
+def launch_order_learned(rank: int, world: int, steps: int = 3) -> dict:
+    """The optimizer gets the parameters in an order unrelated to the forward's (every layer's
+    parameters, then the head, then the embedding, in a fixed shuffle), so the plan's guessed
+    launch order is wrong at step 1. Per step and launch during backward: whether the bucket
+    launched is the one that just completed (else it waited behind one ahead of it)."""
+    import random
+
+    from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.engine import dp as dp_module
+
+    model = tiny_llama(seed=0)
+    params = list(model.parameters())
+    random.Random(7).shuffle(params)
+    opt = SuperOffloadAdamW(params, lr=LR, config=engine_config(speculation="on"))
+    log: list[list[bool]] = []
+    launch = dp_module.DataParallel.launch
+
+    def recording(self, rt, spec):
+        log[-1].append(bool(self._ready_seq) and self._ready_seq[-1] == rt.bucket.index)
+        return launch(self, rt, spec)
+
+    dp_module.DataParallel.launch = recording
+    try:
+        for step in range(steps):
+            log.append([])
+            for batch in rank_batches(step, rank, world, 1):
+                model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        dp_module.DataParallel.launch = launch
+    host = sum(1 for rt in opt._engine.buckets.host())
+    return {"log": log, "host_buckets": host, "digest": params_digest(model)}

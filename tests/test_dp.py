@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from _dist import run_ranks
-from _dp_train import train
+from _dp_train import launch_order_learned, train
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -134,6 +134,20 @@ def test_buckets_held_behind_one_without_gradients_are_logged_once_naming_the_pa
     (rank0,), (rank1,) = per_rank[0]["held_log"], per_rank[1]["held_log"]
     assert "buckets [3, 4] were complete" in rank0 and "parameters [13, 14, 15, 16, 17, 18]" in rank0, rank0
     assert "buckets [4] were complete" in rank1 and "parameters [7, 8, 9, 10, 11, 12]" in rank1, rank1
+
+
+def test_the_launch_order_is_learned_at_the_first_step_so_no_bucket_waits_after_it():
+    """Parameters handed to the optimizer in a shuffled order: the plan's guessed launch order is
+    wrong, so at step 1 some complete bucket waits behind an incomplete one; from step 2 every
+    rank launches in the order rank 0's buckets completed at step 1, each bucket the moment it
+    completes, all of them during backward."""
+    per_rank = run_ranks(launch_order_learned, 2)
+    for rank, result in enumerate(per_rank):
+        first, *later = result["log"]
+        assert not all(first), f"rank {rank}: the shuffled order should have made a bucket wait at step 1"
+        for step, launches in enumerate(later, start=2):
+            assert launches == [True] * result["host_buckets"], (rank, step, result["log"])
+    assert per_rank[0]["digest"] == per_rank[1]["digest"]
 
 
 FOUR_RANKS = {

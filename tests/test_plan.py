@@ -144,3 +144,15 @@ def test_auto_bucket_size_is_32_mb_but_gives_small_models_four_buckets():
     assert auto_bucket_numel(1.0, 10**9) == 2**18
     with pytest.raises(ValueError, match="bucket_size_mb"):
         auto_bucket_numel(0, 100)
+
+
+def test_the_guessed_order_interleaves_param_groups_as_the_model_does():
+    """The Trainer's groups (decay: matrices; no-decay: norms, biases) each list parameters in
+    model order. With one parameter per bucket the plan's order is the guessed ready order: each
+    group reversed, the groups interleaved in proportion (not one group after the other, which
+    would make a data-parallel launch order wait for the no-decay bucket at the end)."""
+    shapes = [(4, 4)] * 6 + [(16,)] * 3
+    plan = BucketPlan.build(shapes, [[0, 1, 2, 3, 4, 5], [6, 7, 8]], bucket_numel=16)
+    assert plan.ready_order() == [8, 5, 4, 7, 3, 2, 6, 1, 0]
+    one_group = BucketPlan.build(shapes, [list(range(9))], bucket_numel=16)
+    assert one_group.ready_order() == list(range(8, -1, -1))

@@ -195,6 +195,16 @@ class Collectives:
         dist.all_reduce(t, group=self.control_group)
         return t > 0
 
+    def broadcast_ints(self, values: Sequence[int], length: int, src: int = 0) -> list[int]:
+        """Global rank `src`'s list of at most `length` non-negative ints, on every rank, over the
+        control group (host memory)."""
+        import torch.distributed as dist
+
+        t = torch.full((length,), -1, dtype=torch.int64)
+        t[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
+        dist.broadcast(t, src=src, group=self.control_group)
+        return [int(v) for v in t.tolist() if v >= 0]
+
     def all_reduce_mean(self, tensor: torch.Tensor) -> None:
         """In place: the mean over every rank (a replicated, device-resident bucket's gradient)."""
         import torch.distributed as dist

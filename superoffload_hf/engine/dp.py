@@ -28,8 +28,10 @@ master and moments, plus its shard of the gradient staging. Per step and host bu
                             from the training thread's); the next forward waits for it per bucket
 
 Launch order. Collectives on one process group pair up by their order on each rank, so every
-rank issues the reduce-scatters in one fixed order: the plan's bucket order (the order expected
-in backward), never the order this rank's buckets happen to complete in. A bucket complete
+rank issues the reduce-scatters in one fixed order, never the order this rank's buckets happen
+to complete in: at the first step the plan's bucket order (its guess of the order in backward);
+from the second, the order rank 0's buckets completed in at the first (broadcast on the control
+group after presence, so every rank switches at the same step). A bucket complete
 before one ahead of it is held (`ready`) and launched as soon as everything ahead of it is; at
 step() each rank launches the rest of that order, with zeros where it has no gradient, before it
 asks the others anything (on gloo a rank blocks inside a reduce-scatter until its peers issue the
@@ -50,9 +52,9 @@ Assumptions, as DDP's: a bucket receives no gradient after its last micro-batch 
 bucket would need its gradient again: an error says so), and every rank calls step() at the same
 point. A peer may wait inside a reduce-scatter until this rank reaches step(): no other
 collective on these ranks may run between backward and step(), and zero_grad() in between (a
-discard) is safe only where every rank launched the same buckets during backward. The plan is
-the initial one on every rank (no re-planning from the first step's hook order under data
-parallelism).
+discard) is safe only where every rank launched the same buckets during backward. The buckets
+are the initial plan's on every rank (the learned order changes when they launch, not what they
+hold: no re-planning of sharded state, so no cost-model layout under data parallelism).
 """
 
 from __future__ import annotations
@@ -109,6 +111,12 @@ class DataParallel:
         # presence results only. Host buckets (by index) without a gradient on any rank at the
         # last step: launched after presence, not during backward.
         self._unused_last_step: frozenset[int] = frozenset()
+        # The plan's order is a guess (the reverse of the optimizer's parameter order: wrong for
+        # the Trainer's decay / no-decay groups, whose buckets then wait for each other). The
+        # first step with gradients replaces it with the order rank 0's buckets completed in
+        # (broadcast, so every rank launches alike); None until then.
+        self._learned: Optional[list[int]] = None
+        self._ready_seq: list[int] = []  # this step's buckets, in the order they completed here
         # This step's, until finish() or discard(): the buckets launched during backward in this
         # order (None: not drawn up yet), how many of them are launched, the complete ones.
         self._order: Optional[list[BucketRuntime]] = None
@@ -160,6 +168,7 @@ class DataParallel:
             rt.round_fired = [False] * len(rt.bucket.slots)
             if rt.bucket.speculative and e.collector._is_last_micro_batch(rt):
                 self._ready.add(rt.bucket.index)
+                self._ready_seq.append(rt.bucket.index)
                 self._launch_in_order()
 
     def _launch_order(self) -> list[BucketRuntime]:
@@ -167,9 +176,21 @@ class DataParallel:
         rank (deferred buckets, and those without a gradient anywhere at the last step, launch at
         step(), after presence)."""
         if self._order is None:
-            self._order = [rt for rt in self.engine.buckets.host()
+            host = list(self.engine.buckets.host())
+            if self._learned is not None:
+                rank = {index: position for position, index in enumerate(self._learned)}
+                host.sort(key=lambda rt: rank.get(rt.bucket.index, len(rank) + rt.bucket.index))
+            self._order = [rt for rt in host
                            if rt.bucket.speculative and rt.bucket.index not in self._unused_last_step]
         return self._order
+
+    def _learn_order(self, completed: list[int]) -> None:
+        """Once, at the first step with gradients (a collective on the control group, at the same
+        point on every rank): rank 0's completion order becomes every rank's launch order."""
+        host = [rt.bucket.index for rt in self.engine.buckets.host()]
+        seq = self.coll.broadcast_ints(completed, len(host))
+        if seq:  # rank 0 saw buckets complete during backward; the rest follow in plan order
+            self._learned = seq + [i for i in host if i not in seq]
 
     def _launch_in_order(self) -> None:
         """Launch the complete buckets with every bucket ahead of them launched (the rest wait:
@@ -228,11 +249,14 @@ class DataParallel:
         anywhere = self.presence()
         present = {rt.bucket.index: [bool(anywhere[s.index]) for s in rt.bucket.slots]
                    for rt in e.buckets.runtimes}
+        completed = self._ready_seq
         self._new_step()
         if not bool(anywhere.any()):  # (an empty step says nothing about which buckets go unused)
             for rt, copy in sent:
                 self._queue_jobs(rt, copy, None)  # the engine waits for them and forgets the step
             return False
+        if self._learned is None:
+            self._learn_order(completed)
         host = list(e.buckets.host())
         self._unused_last_step = frozenset(rt.bucket.index for rt in host if not any(present[rt.bucket.index]))
         for rt, copy in sent:  # stepped where some rank has a gradient (zeros from the others)
@@ -299,7 +323,7 @@ class DataParallel:
         return self.coll.all_reduce_presence(local)
 
     def _new_step(self) -> None:
-        self._order, self._launched, self._ready = None, 0, set()
+        self._order, self._launched, self._ready, self._ready_seq = None, 0, set(), []
 
     def discard(self) -> None:
         """zero_grad() between backward and step(): forget the device accumulation; undo the

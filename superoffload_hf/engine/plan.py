@@ -5,8 +5,10 @@ so it is deterministic, printable and unit-tested on its own.
 
 * Buckets come in gradient-ready order: the order in which their last gradient arrives during
   backward. Before the first step that order is guessed as the reverse of the parameters'
-  order (backward runs the forward in reverse); after it, the engine re-plans from the order
-  its hooks actually fired in.
+  order (backward runs the forward in reverse), each param group's parameters spread over the
+  whole backward in proportion (the Trainer's groups, decay and no-decay, each list the model's
+  parameters in model order: the model order interleaves them); after it, the engine re-plans
+  from the order its hooks actually fired in.
 * A bucket never mixes param groups (their hyperparameters differ). Each group packs its
   parameters into its own open bucket in ready order, so interleaved groups (decay / no-decay,
   as the HF Trainer builds them) do not fragment the plan into tiny buckets.
@@ -80,13 +82,14 @@ class BucketPlan:
 
         `groups[g]` lists the parameter indices of param group g (a partition of all indices).
         `ready_order` lists indices in the order their gradients become ready (default: reverse
-        of index order); indices it omits follow in reverse index order. `deferred` indices go
+        of each group's index order, the groups interleaved in proportion); indices it omits
+        follow in reverse index order. `deferred` indices go
         into trailing non-speculative buckets."""
         shapes = [tuple(int(d) for d in s) for s in shapes]
         group_of = _group_of(groups, len(shapes))
         _check_positive_int("bucket_numel", bucket_numel)
         _check_count("device_buckets", device_buckets)
-        order = _full_order(ready_order, len(shapes))
+        order = _guessed_order(group_of) if ready_order is None else _full_order(ready_order, len(shapes))
         deferred = set(deferred)
         packed = _pack([i for i in order if i not in deferred], shapes, group_of, bucket_numel, True)
         packed += _pack([i for i in order if i in deferred], shapes, group_of, bucket_numel, False)
@@ -180,9 +183,22 @@ def _slots(indices, shapes) -> tuple[ParamSlot, ...]:
     return tuple(slots)
 
 
+def _guessed_order(group_of: Sequence[int]) -> list[int]:
+    """Reverse index order within each group; across groups, by the fraction of its group a
+    parameter closes (a group's last parameter ~ the model's last), latest first. One group:
+    plain reverse index order."""
+    sizes: dict[int, int] = {}
+    for g in group_of:
+        sizes[g] = sizes.get(g, 0) + 1
+    seen: dict[int, int] = {}
+    key = []
+    for i, g in enumerate(group_of):
+        seen[g] = seen.get(g, 0) + 1
+        key.append((seen[g] / sizes[g], i))
+    return sorted(range(len(group_of)), key=lambda i: key[i], reverse=True)
+
+
 def _full_order(ready_order, n: int) -> list[int]:
-    if ready_order is None:
-        return list(range(n - 1, -1, -1))
     order = [int(i) for i in ready_order]
     bad = [i for i in order if not 0 <= i < n]
     if bad or len(set(order)) != len(order):
