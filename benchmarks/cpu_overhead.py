@@ -40,7 +40,7 @@ LR, WEIGHT_DECAY, MAX_GRAD_NORM = 3e-3, 0.01, 1.0
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
-    p.add_argument("--steps", type=int, default=30, help="measured steps per contender")
+    p.add_argument("--steps", type=int, default=60, help="measured steps per contender")
     p.add_argument("--warmup", type=int, default=5, help="unmeasured steps first")
     p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--loss-rtol", type=float, default=1e-3)
