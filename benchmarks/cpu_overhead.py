@@ -10,8 +10,10 @@ process, alternating step by step (who goes first alternates too, so drift and n
 machine fall on both). A step is what a training loop sees: forward, backward, optimizer step,
 zero_grad. Reported per model: the median step time of each (warm-up steps excluded) and the
 median over steps of the ratio ours / torch of the two back-to-back measurements of that step
-(pairing cancels the slow drift of a shared machine, which a ratio of two medians keeps). Target: <= 1.05x on every model; a miss exits 2 (unless --no-check). Both
-contenders' losses must agree (same math): a disagreement exits 1.
+(pairing cancels the slow drift of a shared machine, which a ratio of two medians keeps).
+Target: <= 1.05x on every model; a miss exits 2 (unless --no-check). Both contenders' losses must
+agree over the first 35 steps (same math; later the two roundings drift apart as training
+amplifies them): a disagreement exits 1.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ MODELS = {
                       num_key_value_heads=2, vocab_size=8192, batch=4, seq=128),
 }
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 3e-3, 0.01, 1.0
+LOSS_CHECK_STEPS = 35  # steps (warm-up included) whose losses must agree within --loss-rtol
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,7 +115,11 @@ def measure(name: str, spec: dict, args) -> dict:
         describe = ours.describe()
     med = {who: statistics.median(t) for who, t in times.items()}
     paired = statistics.median(o / t for o, t in zip(times["ours"], times["torch"]))
-    worst_loss = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["ours"], losses["torch"]))
+    # Two correct AdamW implementations round differently, and training amplifies the difference
+    # step by step (llama-10m at lr 3e-3: 7e-4 relative after 35 steps, 6e-3 after 105): the same
+    # math shows in the first steps, so only those are compared.
+    pairs = list(zip(losses["ours"], losses["torch"]))[:LOSS_CHECK_STEPS]
+    worst_loss = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
     return dict(model=name, params=sum(p.numel() for p in model_ours.parameters()), torch_kind=kind,
                 tokens=spec["batch"] * spec["seq"], ours_ms=med["ours"] * 1e3, torch_ms=med["torch"] * 1e3,
                 ratio=paired, ratio_of_medians=med["ours"] / med["torch"],
