@@ -91,6 +91,14 @@ def _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correc
     return (_check_step(step), *floats, bool(adamw), bool(bias_correction), _as_float("grad_scale", grad_scale))
 
 
+def _flat(grad) -> torch.Tensor:
+    """The flat gradient the reference steps with (a SegmentedGrad concatenated: a copy)."""
+    if isinstance(grad, SegmentedGrad):
+        grad.tensors()  # raises, as the kernel does, when a segment to step is absent
+        return grad.cat()
+    return grad
+
+
 class ReferenceHostAdam:
     """The PyTorch reference (superoffload_hf.host.reference) behind the host Adam interface,
     including the gradient staging ops ``grad_copy_`` / ``grad_accumulate_`` (torch's own pool)."""
@@ -128,14 +136,6 @@ class ReferenceHostAdam:
 
     def describe(self) -> str:
         return f"host Adam: reference (PyTorch ops; {self.reason})"
-
-
-def _flat(grad) -> torch.Tensor:
-    """The flat gradient the reference steps with (a SegmentedGrad concatenated: a copy)."""
-    if isinstance(grad, SegmentedGrad):
-        grad.tensors()  # raises, as the kernel does, when a segment to step is absent
-        return grad.cat()
-    return grad
 
 
 class CppHostAdam:
