@@ -218,6 +218,137 @@ double sum_squares_(const at::Tensor& grad, int64_t isa) {
   return total;
 }
 
+// ---- segmented gradients -----------------------------------------------------------------------
+// A bucket's gradient given as the tensors autograd produced, one per parameter, instead of one
+// flat buffer (the CPU device with fp32, where copying them into a flat buffer would cost more
+// than the step's own bookkeeping). Segment k covers elements [offset_k, offset_k + numel_k) of
+// the flat state, consecutively; each may have its own dtype.
+
+struct Segment {
+  const void* g;
+  GradDtype gd;
+  int64_t offset, numel;
+};
+
+// Every segment: fp32/bf16/fp16, CPU, 1-D, contiguous; none overlapping `state` (the buffers the
+// step writes). `n`: the element count they must add up to (-1: any).
+std::vector<Segment> check_segments(const std::vector<at::Tensor>& grads, int64_t n,
+                                    const std::vector<std::pair<const char*, const at::Tensor*>>& state) {
+  std::vector<Segment> segments;
+  segments.reserve(grads.size());
+  int64_t offset = 0;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& t = grads[k];
+    const std::string name = "grads[" + std::to_string(k) + "]";
+    const GradDtype gd = grad_dtype_of(t, name.c_str());
+    check_buffer(t, name.c_str(), t.numel());
+    for (const auto& [state_name, s] : state) {
+      TORCH_CHECK_VALUE(!overlaps(t, *s), "`", name, "` and `", state_name,
+                        "` share memory; a gradient must not alias the state the step writes.");
+    }
+    segments.push_back(Segment{t.data_ptr(), gd, offset, t.numel()});
+    offset += t.numel();
+  }
+  TORCH_CHECK_VALUE(n < 0 || offset == n, "the ", grads.size(), " gradient segments have ", offset,
+                    " elements in all, `param` has ", n, "; they must cover it exactly, in order.");
+  return segments;
+}
+
+// [segment, begin, end) pieces of at most `grain` elements, each starting at a multiple of
+// `grain` within its segment: the units one parallel_for spreads over the pool.
+struct Piece {
+  int32_t segment;
+  int64_t begin, end;
+};
+
+std::vector<Piece> pieces_of(const std::vector<Segment>& segments, int64_t grain) {
+  std::vector<Piece> pieces;
+  for (size_t k = 0; k < segments.size(); ++k) {
+    for (int64_t at = 0; at < segments[k].numel; at += grain) {
+      pieces.push_back(Piece{static_cast<int32_t>(k), at, std::min(at + grain, segments[k].numel)});
+    }
+  }
+  return pieces;
+}
+
+void run_segments_on_pool(Kernel kernel, Isa isa, const Buffers& b, const std::vector<Segment>& segments,
+                          const Coeffs& c) {
+  const std::vector<Piece> pieces = pieces_of(segments, kStepGrain);
+  pybind11::gil_scoped_release no_gil;
+  pool().parallel_for(static_cast<int64_t>(pieces.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const Segment& s = segments[pieces[i].segment];
+      const int64_t at = s.offset + pieces[i].begin;  // in the flat state
+      uint16_t* lowp = b.lowp == nullptr ? nullptr : static_cast<uint16_t*>(b.lowp) + at;
+      kernel(isa, b.p + at, b.m + at, b.v + at, grad_offset(s.g, s.gd, pieces[i].begin), s.gd, lowp, b.ld,
+             pieces[i].end - pieces[i].begin, c);
+    }
+  });
+}
+
+// The state and lowp of check_buffers, the gradient as segments.
+std::pair<Buffers, std::vector<Segment>> check_buffers_segmented(
+    const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+    const std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& param_lowp) {
+  const int64_t n = param.numel();
+  check_state(param, "param", n);
+  check_state(exp_avg, "exp_avg", n);
+  check_state(exp_avg_sq, "exp_avg_sq", n);
+  const LowpDtype ld = check_lowp(param_lowp, n);
+  std::vector<std::pair<const char*, const at::Tensor*>> named = {
+      {"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  if (param_lowp.has_value()) named.emplace_back("param_lowp", &*param_lowp);
+  check_no_overlap(named);
+  std::vector<Segment> segments = check_segments(grads, n, named);
+  void* lowp = param_lowp.has_value() ? param_lowp->data_ptr() : nullptr;
+  return {Buffers{param.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), nullptr,
+                  GradDtype::F32, lowp, ld, n},
+          std::move(segments)};
+}
+
+void adam_step_segments_(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                         const std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& param_lowp,
+                         int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                         bool adamw, bool bias_correction, double grad_scale, int64_t isa) {
+  const auto [b, segments] = check_buffers_segmented(param, exp_avg, exp_avg_sq, grads, param_lowp);
+  const Coeffs c = check_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+  run_segments_on_pool(&grace_adam::step, check_isa(isa), b, segments, c);
+}
+
+void adam_rollback_segments_(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                             const std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& param_lowp,
+                             int64_t step, double lr, double beta1, double beta2, double eps,
+                             double weight_decay, bool adamw, bool bias_correction, double grad_scale,
+                             int64_t isa) {
+  const auto [b, segments] = check_buffers_segmented(param, exp_avg, exp_avg_sq, grads, param_lowp);
+  const Coeffs c = check_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+  check_invertible(c);
+  run_segments_on_pool(&grace_adam::rollback, check_isa(isa), b, segments, c);
+}
+
+// Blocks of kSumSquaresBlock within each segment (so a block never spans two segments), each in
+// its own slot, added in order: the same result for any number of threads. It may differ in the
+// last bits from sum_squares of the concatenation, whose blocks fall elsewhere.
+double sum_squares_segments_(const std::vector<at::Tensor>& grads, int64_t isa) {
+  const std::vector<Segment> segments = check_segments(grads, -1, {});
+  const Isa chosen = check_isa(isa);
+  const std::vector<Piece> blocks = pieces_of(segments, kSumSquaresBlock);
+  std::vector<double> block_sums(blocks.size(), 0.0);
+  {
+    pybind11::gil_scoped_release no_gil;
+    pool().parallel_for(static_cast<int64_t>(blocks.size()), 1, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) {
+        const Segment& s = segments[blocks[i].segment];
+        block_sums[i] = sum_squares(chosen, grad_offset(s.g, s.gd, blocks[i].begin), s.gd,
+                                    blocks[i].end - blocks[i].begin);
+      }
+    });
+  }
+  double total = 0.0;
+  for (double s : block_sums) total += s;
+  return total;
+}
+
 // Gradient conversion chunks start at multiples of this many elements (64 KiB of fp32 output).
 constexpr int64_t kGradGrain = 1 << 14;
 
@@ -289,6 +420,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   def_update(module, "adam_step_", &adam_step_, "One Adam step in place.");
   def_update(module, "adam_rollback_", &adam_rollback_, "Undo adam_step_ (same gradient and arguments) in place.");
   module.def("sum_squares", &sum_squares_, "Sum of squares of a flat gradient, in float64.", py::arg("grad"),
+             py::arg("isa"));
+  def_update(module, "adam_step_segments_", &adam_step_segments_,
+             "adam_step_ with the gradient as consecutive segments (`grad`: a list of tensors).");
+  def_update(module, "adam_rollback_segments_", &adam_rollback_segments_,
+             "adam_rollback_ with the gradient as consecutive segments (`grad`: a list of tensors).");
+  module.def("sum_squares_segments", &sum_squares_segments_,
+             "Sum of squares of a gradient given as a list of flat segments, in float64.", py::arg("grads"),
              py::arg("isa"));
   module.def("grad_copy_", &grad_copy_, "dst = float(src) (src fp32, bf16 or fp16), in place.", py::arg("dst"),
              py::arg("src"), py::arg("isa"));

@@ -9,7 +9,8 @@ copy, free the old), so the host never holds more than the state plus one kind's
 
 When the device is this host's memory (the CPU runtime) and the device dtype is fp32, a host
 bucket's parameters are views into its fp32 master buffer (`alias_params`): a host step updates
-them in place, nothing is copied back, and there is no second copy of the weights.
+them in place, nothing is copied back, and there is no second copy of the weights. With one
+micro-batch per step there is no gradient buffer either (BufferPolicy.grad_on_demand): 12 B/param.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ class BucketSet:
                     p.data = _param_over(master, slot)
                     self._aliases.append((slot.index, p.data_ptr()))
                 rt.params_alias_master = True
+                rt.grad_on_demand = self.policy.grad_on_demand
 
     def check_aliases(self) -> None:
         """Raise if user code replaced an aliased parameter's storage since alias_params()."""

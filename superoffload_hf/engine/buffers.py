@@ -6,6 +6,8 @@ device tensors. BucketSet sets them. The layout is the plan's: parameter `slot` 
 `[slot.offset, slot.offset + slot.numel)` of every buffer.
 
 * `grad`   fp32 accumulation of the bucket's gradients over the micro-batches of one step.
+           Where the policy keeps none at rest (BufferPolicy.grad_on_demand) it is allocated
+           by `grad_buffer()` for a step that needs it and dropped after it.
 * `recv`   (host, lazily) the landing buffer of a gradient copy that must be added to `grad`
            or cast to fp32 first; its dtype is the dtype that crosses the link.
 * `lowp`   (host, cast "host" only) the low-precision copy of `master` the kernel writes.
@@ -48,6 +50,12 @@ class BucketBuffers:
         if self.recv is None or self.recv.dtype != dtype:
             self.recv = self._alloc("grad landing", dtype, True)  # a copy target: page-locked
         return self.recv
+
+    def grad_buffer(self) -> torch.Tensor:
+        """The fp32 gradient buffer, allocated (contents undefined) if there is none."""
+        if self.grad is None:
+            self.grad = self._alloc("grad", torch.float32, False)  # never crosses a link (the CPU)
+        return self.grad
 
     def drop_transients(self) -> None:
         """Forget the snapshot (re-planning: the buffers go)."""

@@ -11,7 +11,11 @@ every parameter of the bucket delivered a gradient, or when one delivers a secon
 then flushed: copied to the host and, in the worker, copied or added in fp32 into the bucket's
 gradient buffer. The round that completes the last micro-batch launches the bucket. When the
 bucket's parameters are views of its master (the CPU, fp32), nothing crosses: each gradient is
-copied or added straight into the gradient buffer, and a flush only closes the round.
+copied or added straight into the gradient buffer, and a flush only closes the round. With one
+micro-batch per step (BufferPolicy.grad_on_demand) not even that: the bucket keeps autograd's
+gradient tensors and the host Adam reads them in place (host/segmented.py), as torch.optim
+does; only a parameter's second gradient in one step allocates the fp32 buffer, copies the
+kept ones in, and accumulates there from then on.
 """
 
 from __future__ import annotations
@@ -85,11 +89,18 @@ class Collector:
             self.flush(rt)
         if rt.params_alias_master:
             self.waiter.wait_idle(rt)  # a rollback queued by a re-open still reads the gradient buffer
-            view = BucketBuffers.view(rt.bufs.grad, rt.bucket.slots[k])
-            if rt.present[k]:
-                view.add_(grad)  # accumulated in fp32
+            # (a float64 gradient, from a model cast after construction, is cast into the buffer:
+            # step() then refuses the replaced storage, see BucketSet.check_aliases)
+            if rt.bufs.grad is None and not rt.present[k] and grad.dtype == torch.float32:
+                rt.autograd_grads[k] = grad  # kept, not copied: the step reads it in place
             else:
-                view.copy_(grad)
+                if rt.bufs.grad is None:  # a second gradient (grad_on_demand): accumulate from now
+                    rt.accumulate_from_now()
+                view = BucketBuffers.view(rt.bufs.grad, rt.bucket.slots[k])
+                if rt.present[k]:
+                    view.add_(grad)  # accumulated in fp32
+                else:
+                    view.copy_(grad)
         else:
             if rt.round_dev is None:
                 rt.round_dev = self.transfer.grad_slot(rt.bucket.numel, self.link_dtype)
@@ -122,14 +133,18 @@ class Collector:
     def flush(self, rt: BucketRuntime, launch: bool = False, spec: Optional[StepCall] = None) -> None:
         """Copy the current round to the host; queue its accumulation (and launch)."""
         first = not rt.staged
-        if not first and rt.grad_in is not rt.bufs.grad:  # a kept round, re-opened: upcast it
+        # a round kept in the link dtype, re-opened: upcast it (nothing crosses for aliased buckets)
+        if not first and not rt.params_alias_master and rt.grad_in is not rt.bufs.grad:
             self.worker.submit(functools.partial(self.jobs.hold_in_fp32, rt), rt.pending)  # before
         self.waiter.wait_idle(rt)  # the next round lands there; the worker may still read grad / recv
-        if rt.params_alias_master:  # the hooks wrote bufs.grad; its jobs are done (waited above)
+        if rt.params_alias_master:  # the hooks wrote bufs.grad, or kept autograd's gradients
             jobs = []
-            if first:
-                rt.zero_absent_grads()
-            rt.grad_in = rt.bufs.grad
+            if rt.bufs.grad is None:
+                rt.grad_in = rt.autograd_grad()  # absent parameters are None: never stepped
+            else:
+                if first:
+                    rt.zero_absent_grads()  # (its jobs are done: waited above)
+                rt.grad_in = rt.bufs.grad
             rt.round_fired = [False] * len(rt.round_fired)
         else:
             flat = rt.take_round()

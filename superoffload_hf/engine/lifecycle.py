@@ -18,8 +18,8 @@ LAUNCHED/COLLECTING when queueing them; the worker moves it only inside those jo
 transition has one writer at a time, and the training thread reads what the worker wrote after
 waiting for the bucket's jobs (`pending.idle`) or its norm (`norm_ready`).
 
-Per-slot collection bookkeeping (`present`, `fires`, `round_fired`, `round_dev`) belongs to the
-training thread; `sumsq`, `spec` and `h2d_event` are written by the worker's jobs.
+Per-slot collection bookkeeping (`present`, `fires`, `round_fired`, `round_dev`, `autograd_grads`)
+belongs to the training thread; `sumsq`, `spec` and `h2d_event` are written by the worker's jobs.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.plan import Bucket
 from superoffload_hf.engine.stepper import StepCall
 from superoffload_hf.engine.worker import Pending
+from superoffload_hf.host.segmented import SegmentedGrad
 
 
 class BucketState(enum.Enum):
@@ -69,14 +70,18 @@ class BucketRuntime:
         self.bufs = bufs
         self.params = params  # the device parameters, in slot order
         self.params_alias_master = False  # they are views of bufs.master (BucketSet.alias_params)
+        # bufs.grad exists only for a step that accumulates (BufferPolicy.grad_on_demand); else
+        # the step reads autograd's gradients in place (`autograd_grads`)
+        self.grad_on_demand = False
         self.shard = None  # data parallel: this rank's Shard of a host bucket (its buffers hold only that)
         self.pending = Pending()  # worker jobs queued on this bucket
         self.norm_ready = threading.Event()
         self.h2d_event = None  # the last copy-back to the device (None: nothing in flight)
         # What the worker's step reads as this step's gradient: bufs.grad, or the receive buffer
-        # when one round in the link dtype is the whole step. Written and read by worker jobs;
-        # valid until the next step's first round (kept across reset(): queued jobs read it).
-        self.grad_in: Optional[torch.Tensor] = bufs.grad
+        # when one round in the link dtype is the whole step, or (grad_on_demand) autograd's
+        # gradients as a SegmentedGrad. Written and read by worker jobs; valid until the next
+        # step's first round (kept across reset(): queued jobs read it), except a SegmentedGrad.
+        self.grad_in: Optional[torch.Tensor | SegmentedGrad] = bufs.grad
         self.state = BucketState.IDLE
         self.reset()
 
@@ -102,6 +107,13 @@ class BucketRuntime:
         self.no_spec = False  # a gradient arrived after launch: no more speculation this step
         self.redo = False  # a speculative step was rolled back before step(): stepping is a replay
         self.norm_ready.clear()
+        # grad_on_demand: each parameter's gradient of this step as autograd produced it (flat
+        # views), read in place by the step. Released here, as torch frees them at zero_grad();
+        # no job can still read them: this path (the CPU device) runs its jobs inline.
+        self.autograd_grads: list[Optional[torch.Tensor]] = [None] * n
+        if self.grad_on_demand:
+            self.grad_in = None
+            self.bufs.grad = None  # an fp32 buffer this step needed goes with it
 
     @property
     def launched(self) -> bool:
@@ -116,6 +128,23 @@ class BucketRuntime:
         for k, present in enumerate(self.present):
             if not present:
                 BucketBuffers.view(self.bufs.grad, self.bucket.slots[k]).zero_()
+
+    def autograd_grad(self) -> SegmentedGrad:
+        """This step's gradient as autograd's tensors (absent parameters: None)."""
+        return SegmentedGrad(self.autograd_grads, [slot.numel for slot in self.bucket.slots])
+
+    def accumulate_from_now(self) -> None:
+        """A parameter received a second gradient this step (grad_on_demand): allocate the fp32
+        buffer, copy the held gradients in (zeros for the absent) and release them."""
+        flat = self.bufs.grad_buffer()
+        for k, slot in enumerate(self.bucket.slots):
+            held = self.autograd_grads[k]
+            if held is not None:
+                BucketBuffers.view(flat, slot).copy_(held)
+            else:
+                BucketBuffers.view(flat, slot).zero_()
+        self.autograd_grads = [None] * len(self.bucket.slots)
+        self.grad_in = flat
 
     def take_round(self) -> torch.Tensor:
         """The round's flat device gradient, absent parameters zeroed; starts a new round."""

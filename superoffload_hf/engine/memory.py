@@ -9,7 +9,9 @@ the runtime rounds page-locked blocks up) that the buckets are views into:
 * `master`     fp32; page-locked when it crosses the link (cast "device": copied to the device)
 * `exp_avg`,   fp32, plain host memory: the moments never cross the link
   `exp_avg_sq`
-* `grad`       fp32 gradient staging; page-locked when gradients land in it (an fp32 link)
+* `grad`       fp32 gradient staging; page-locked when gradients land in it (an fp32 link).
+               None at rest on the CPU with fp32 and one micro-batch (`grad_on_demand`): the
+               host Adam reads autograd's gradients in place, as torch.optim does
 * `lowp`       (cast "host") the low-precision copy the kernel writes; page-locked, it crosses
 
 Besides: `snapshot` (rollback "snapshot": master and moments before a speculative step, plain),
@@ -70,6 +72,14 @@ class BufferPolicy:
     def accumulates(self) -> bool:
         return self.micro_batches > 1
 
+    @property
+    def grad_on_demand(self) -> bool:
+        """No gradient buffer at rest: the parameters are the masters and one micro-batch makes a
+        step, so the host Adam reads autograd's gradients in place (host/segmented.py), which
+        live until step() ends as in torch. A bucket gets its fp32 buffer only for a step in
+        which one of its parameters receives a second gradient (engine/collect.py)."""
+        return self.params_alias_masters and not self.accumulates
+
     def host_numel(self, numel: int) -> int:
         """Elements of a host bucket of `numel` elements in this rank's buffers: its shard's
         under data parallelism (shard.py; padding included), else all of them."""
@@ -78,8 +88,9 @@ class BufferPolicy:
     def host_kinds(self) -> dict[str, tuple[torch.dtype, bool]]:
         """kind -> (dtype, page-locked) of every arena a host bucket has."""
         kinds = {"master": (FP32, self.pin and self.lowp_dtype is None),
-                 "exp_avg": (FP32, False), "exp_avg_sq": (FP32, False),
-                 "grad": (FP32, self.pin and self.link_dtype == FP32)}
+                 "exp_avg": (FP32, False), "exp_avg_sq": (FP32, False)}
+        if not self.grad_on_demand:
+            kinds["grad"] = (FP32, self.pin and self.link_dtype == FP32)
         if self.lowp_dtype is not None:
             kinds["lowp"] = (self.lowp_dtype, self.pin)
         if self.landing:  # a copy target: page-locked; one arena, so no power-of-two block per bucket
@@ -223,6 +234,8 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
         rows.append(FootprintRow("transient (one bucket)", "device",
                                  largest * (_size(policy.link_dtype) + _size(policy.lowp_dtype or FP32)),
                                  transient=True))
+    if policy.grad_on_demand:  # autograd's, read in place; from backward until step() ends, as in torch
+        rows.append(FootprintRow("gradients (autograd's)", "device", sum(host) * 4, transient=True))
     return rows
 
 

@@ -3,6 +3,8 @@
 ``get_host_adam(mode, threads, isa)`` returns an object with one signature whichever back end
 serves it (``name``, ``isa``, ``threads``, ``adam_step_``, ``adam_rollback_``, ``sum_squares``,
 ``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.host.reference`.
+Every gradient argument may also be a `SegmentedGrad` (host/segmented.py: the gradient as the
+tensors autograd produced, read in place).
 
 The kernel (csrc/grace_adam/; in a wheel, superoffload_hf/_csrc/grace_adam/) is built once with
 ``torch.utils.cpp_extension.load`` + ninja into a cache directory keyed by the sources, flags,
@@ -33,6 +35,7 @@ from typing import Optional
 import torch
 
 from superoffload_hf.host import reference
+from superoffload_hf.host.segmented import SegmentedGrad
 
 MODES = ("auto", "cpp", "reference")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3, "sve": 4}
@@ -88,6 +91,14 @@ def _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correc
     return (_check_step(step), *floats, bool(adamw), bool(bias_correction), _as_float("grad_scale", grad_scale))
 
 
+def _flat(grad) -> torch.Tensor:
+    """The flat gradient the reference steps with (a SegmentedGrad concatenated: a copy)."""
+    if isinstance(grad, SegmentedGrad):
+        grad.tensors()  # raises, as the kernel does, when a segment to step is absent
+        return grad.cat()
+    return grad
+
+
 class ReferenceHostAdam:
     """The PyTorch reference (superoffload_hf.host.reference) behind the host Adam interface,
     including the gradient staging ops ``grad_copy_`` / ``grad_accumulate_`` (torch's own pool)."""
@@ -102,16 +113,17 @@ class ReferenceHostAdam:
     def adam_step_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
                    adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
         hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
-        reference.adam_step_(param, exp_avg, exp_avg_sq, grad, param_lowp=param_lowp, **dict(zip(_HYPER_NAMES, hyper)))
+        reference.adam_step_(param, exp_avg, exp_avg_sq, _flat(grad), param_lowp=param_lowp,
+                             **dict(zip(_HYPER_NAMES, hyper)))
 
     def adam_rollback_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
                        adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
         hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
-        reference.adam_rollback_(param, exp_avg, exp_avg_sq, grad, param_lowp=param_lowp,
+        reference.adam_rollback_(param, exp_avg, exp_avg_sq, _flat(grad), param_lowp=param_lowp,
                                  **dict(zip(_HYPER_NAMES, hyper)))
 
-    def sum_squares(self, grad: torch.Tensor) -> float:
-        return reference.sum_squares(grad)
+    def sum_squares(self, grad) -> float:
+        return reference.sum_squares(grad.cat() if isinstance(grad, SegmentedGrad) else grad)
 
     def grad_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         reference.grad_copy_(dst, src)
@@ -144,14 +156,26 @@ class CppHostAdam:
     def adam_step_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
                    adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
         hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
-        self._ext.adam_step_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code)
+        if isinstance(grad, SegmentedGrad):  # read in place, segment by segment
+            self._ext.adam_step_segments_(param, exp_avg, exp_avg_sq, grad.tensors(), param_lowp, *hyper,
+                                          self._isa_code)
+        else:
+            self._ext.adam_step_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code)
 
     def adam_rollback_(self, param, exp_avg, exp_avg_sq, grad, *, step, lr, beta1, beta2, eps, weight_decay,
                        adamw, bias_correction=True, grad_scale=1.0, param_lowp=None) -> None:
         hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
-        self._ext.adam_rollback_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code)
+        if isinstance(grad, SegmentedGrad):
+            self._ext.adam_rollback_segments_(param, exp_avg, exp_avg_sq, grad.tensors(), param_lowp, *hyper,
+                                              self._isa_code)
+        else:
+            self._ext.adam_rollback_(param, exp_avg, exp_avg_sq, grad, param_lowp, *hyper, self._isa_code)
 
-    def sum_squares(self, grad: torch.Tensor) -> float:
+    def sum_squares(self, grad) -> float:
+        """float64; a SegmentedGrad in blocks within each segment (its absent segments are zeros),
+        so its last bits may differ from those of the concatenation."""
+        if isinstance(grad, SegmentedGrad):
+            return float(self._ext.sum_squares_segments(grad.present(), self._isa_code))
         return float(self._ext.sum_squares(grad, self._isa_code))
 
     def grad_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
