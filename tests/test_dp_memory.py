@@ -2,10 +2,9 @@
 engine.layout.estimate with a shard world of N) against what 2 gloo ranks allocate, per kind:
 the host arenas from the engine's Ledger (the same arithmetic: equal to the byte), the device
 buffers of engine/dp.py (outside the Ledger: every allocation they make is tracked while the
-ranks train) within 5% of their measured peak. The all-gather row is a bound: the copy-backs
-gather bucket after bucket, and gloo's worker thread drops a finished collective's tensors a
-moment later, so the previous bucket's buffers are sometimes still alive when the next is
-allocated (2 buckets at the peak in most runs, 1 when the thread was quicker).
+ranks train) within 5% of their measured peak. (The copy-backs reuse one pair of all-gather
+buffers: fresh ones per bucket stayed alive until gloo's thread dropped the finished collective,
+so the peak depended on timing, 1 to 3 buckets under load.)
 
 The ranks run fp32 on the CPU (gloo, the CPU as the device): gradients cross in fp32, so every
 device buffer dp.py makes comes from `device_empty` (no upcast copy escapes the tracker); the
@@ -18,8 +17,6 @@ import weakref
 from collections import defaultdict
 
 import pytest
-
-from superoffload_hf.engine.memory import ALL_GATHERS_LIVE
 
 from _dist import run_ranks
 
@@ -137,11 +134,6 @@ def test_two_rank_allocation_matches_the_dry_run_estimate_per_kind(two_ranks, na
                 kind = LEDGER_KIND.get(what, what)
                 estimated_kinds.add(kind)
                 assert ledger.get(kind) == nbytes, f"{name}, rank {rank}: {what} estimated {nbytes} B, Ledger {ledger}"
-            elif what.startswith("all-gather ("):
-                got, one_bucket = measured.get("all-gather"), nbytes / ALL_GATHERS_LIVE
-                assert got is not None and 0.95 * one_bucket <= got <= 1.05 * nbytes, (
-                    f"{name}, rank {rank}: {what} estimated {nbytes} B (one bucket {one_bucket:.0f} B), "
-                    f"allocated {got} B at its peak")
             else:
                 got = measured.get("grad buckets" if what.startswith("grad buckets (") else what)
                 assert got is not None and abs(got - nbytes) <= 0.05 * nbytes, (

@@ -123,6 +123,7 @@ class DataParallel:
         self._launched = 0
         self._ready: set[int] = set()
         self._held_logged = False
+        self._gather_pairs: dict[torch.dtype, tuple] = {}  # worker thread only (_gather_buffers)
 
     def shard(self, bucket) -> Shard:
         return shard_of(bucket, self.rank, self.world)
@@ -362,9 +363,8 @@ class DataParallel:
             fence = getattr(transfer, "_fence", None)
             if fence is not None:  # copy-backs wait for kernels queued before step() (see Transfer.fence)
                 transfer.h2d.wait_event(fence)
-            flat_dev = runtime.device_empty(rt.shard.padded_numel, dtype)
+            flat_dev, shard_dev = self._gather_buffers(dtype, rt.shard.padded_numel, rt.shard.numel)
             if self.coll.backend == "nccl" or not transfer.is_async:
-                shard_dev = runtime.device_empty(rt.shard.numel, dtype)
                 runtime.copy_(shard_dev, src)  # casts fp32 masters to the parameters' dtype on the way
                 self.coll.all_gather(shard_dev, flat_dev)  # NCCL: in stream order on h2d
             else:  # gloo with an asynchronous device (the simulated one): gather in host memory
@@ -378,6 +378,22 @@ class DataParallel:
             done.record(transfer.h2d)
         e.counters.bytes_h2d += src.numel() * src.element_size()
         return done
+
+    def _gather_buffers(self, dtype: torch.dtype, padded: int, numel: int) -> tuple:
+        """Views of this rank's two all-gather buffers (the whole bucket, the rank's shard), one
+        pair per dtype sized to the largest host bucket, reused by every copy-back: a fresh pair
+        per call stays alive until the process group drops the finished collective's work (gloo
+        does so from its own thread, a moment later), so the memory held would depend on timing.
+        Reuse is safe: every use is on the host-to-device stream, in copy-back order (NCCL's own
+        stream waits for it before the collective, and it for NCCL after)."""
+        pair = self._gather_pairs.get(dtype)
+        if pair is None:
+            host = [rt.shard for rt in self.engine.buckets.host()]
+            runtime = self.engine.runtime
+            pair = self._gather_pairs[dtype] = (
+                runtime.device_empty(max(sh.padded_numel for sh in host), dtype),
+                runtime.device_empty(max(sh.numel for sh in host), dtype))
+        return pair[0][:padded], pair[1][:numel]
 
     def refresh_device_params(self) -> None:
         """Every host bucket's weights from the shards' masters (after loading state), in bucket

@@ -46,7 +46,7 @@ ALIGN_NUMEL = 64  # every bucket starts 64 elements (>= one cache line, any dtyp
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 HOST_KINDS = STATE_KINDS + ("grad", "lowp")
 FP32 = torch.float32
-ALL_GATHERS_LIVE = 2  # data parallel: all-gather buffers (flat bucket + shard) alive at once (_data_parallel_rows)
+ALL_GATHERS_LIVE = 1  # data parallel: all-gather buffer pairs (flat bucket + shard), reused (engine/dp.py)
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -258,12 +258,11 @@ def _data_parallel_rows(host_buckets, shards: Sequence[int], policy: BufferPolic
         nbytes, what = sum(padded) * link + max(padded) * 4, "grad buckets (all)"
     else:  # upcast at the second micro-batch: all in fp32; one cast back for its reduce-scatter
         nbytes, what = sum(padded) * 4 + max(padded) * link, "grad buckets (all, fp32)"
-    # the copy-backs all-gather bucket after bucket; a process group may hold the previous
-    # bucket's buffers until it drops that collective's work (gloo: tests/test_dp_memory.py)
+    # one pair of all-gather buffers (the largest bucket and its shard), reused by every copy-back
     gathered = ALL_GATHERS_LIVE * (max(padded) + max(shards)) * _size(policy.device_dtype)
     return [FootprintRow(what, "device", nbytes, transient=True),
             FootprintRow("reduce-scatter shard", "device", max(shards) * link, transient=True),
-            FootprintRow(f"all-gather ({ALL_GATHERS_LIVE} buckets)", "device", gathered, transient=True)]
+            FootprintRow("all-gather", "device", gathered)]
 
 
 def format_footprint(rows: Sequence[FootprintRow], num_params: int) -> str:
