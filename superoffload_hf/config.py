@@ -33,7 +33,9 @@ class SuperOffloadConfig:
     parameters). A bucket is the unit that moves to the host and is stepped there as soon as
     backward has produced all of its gradients. "auto": a fixed heuristic, 32 MB, shrunk so
     that a model has at least 4 buckets when it is small (not measured; `superoffload probe`
-    shows what the measured cost model would choose on this machine)."""
+    shows what the measured cost model would choose on this machine); on the CPU as the device
+    (one process) never shrunk, since host jobs run inline there and more buckets overlap
+    nothing."""
 
     device_buckets: Union[int, str] = AUTO
     """How many of the last buckets to receive gradients (the first layers) keep their fp32

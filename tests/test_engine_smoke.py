@@ -224,6 +224,49 @@ def test_clip_grad_norm_on_the_model_raises_with_the_fix_in_the_message():
         assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("config", [{"speculation": "off"}, {"speculation": "on", "rollback": "snapshot"},
+                                    {"speculation": "off", "device_buckets": 2}], ids=["off", "on", "device-buckets"])
+@pytest.mark.parametrize("pattern", ["retain-graph", "two-graphs"])
+def test_backwards_with_no_forward_between_accumulate_as_torch(config, pattern):
+    """The second backward meets the first one's placeholders (no forward cleared them):
+    autograd's accumulation into a placeholder restarts p.grad from the new gradient alone."""
+    model, opt = make({**config, "gradient_accumulation_steps": 2})
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    with opt:
+        for step in range(3):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                if pattern == "retain-graph":
+                    loss = loss_of(m, step)
+                    loss.backward(retain_graph=True)
+                    (0.5 * loss).backward()
+                else:
+                    first, second = loss_of(m, step, 0), loss_of(m, step, 1)
+                    first.backward()
+                    second.backward()
+                if o is opt:
+                    assert all(isinstance(p.grad, HeldGrad) for p in m.parameters())
+                o.step()
+                o.zero_grad()
+            assert_models_close(model, ref, f"step {step}")
+
+
+def test_a_forward_clears_the_placeholders_and_other_uses_still_raise():
+    model, opt = make({"gradient_accumulation_steps": 2})
+    with opt:
+        loss_of(model, 0, 0).backward()
+        weight = model[0].weight
+        assert isinstance(weight.grad, HeldGrad)
+        for use in (lambda g: g.add_(1.0), lambda g: g + 1.0, lambda g: torch.zeros(16, 32).add_(g)):
+            with pytest.raises(RuntimeError, match="held by the SuperOffload optimizer"):
+                use(weight.grad)
+        loss = loss_of(model, 0, 1)  # the next micro-batch's forward
+        assert all(p.grad is None for p in model.parameters())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_a_parameter_without_a_gradient_is_not_updated():
     model, opt = make({"speculation": "on", "rollback": "snapshot"})
     ref = mlp()

@@ -103,3 +103,83 @@ def test_a_partial_backward_steps_only_the_parameters_with_a_gradient():
         assert_params_close(model, ref_model, "a step without lm_head's gradient")
     finally:
         opt.close()
+
+
+# ---- the hooks' lean path (Collector.on_grad) --------------------------------------------------
+
+
+def count_full_path(opt, monkeypatch) -> list:
+    """Record the parameter index of every gradient that goes through the full path."""
+    collector = opt._engine.collector
+    calls, full = [], collector.on_grad_accumulated
+
+    def counted(p, index=None):
+        calls.append(index)
+        return full(p, index)
+
+    monkeypatch.setattr(collector, "on_grad_accumulated", counted)
+    return calls
+
+
+@pytest.mark.parametrize("speculation", ["off", "auto", "on"])
+def test_after_the_first_step_only_each_buckets_first_gradient_takes_the_full_path(speculation, monkeypatch):
+    model, opt, ref_model, ref_opt = pair(speculation)
+    calls = count_full_path(opt, monkeypatch)
+    params = list(model.parameters())
+    try:
+        for step in range(4):
+            calls.clear()
+            batch = micro_batches(step)[0]
+            model(**batch).loss.backward()
+            host = host_runtimes(opt)
+            if step == 0 or speculation == "on":  # learning the order / launching from the hooks
+                assert len(calls) == len(params)
+            else:
+                assert len(calls) == len(host), (step, calls)
+                assert {opt._engine.buckets.where[i][0] for i in calls} == set(host)
+                with pytest.raises(RuntimeError, match="held by the SuperOffload optimizer"):
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            assert all(g is not None for rt in host for g in rt.autograd_grads)
+            opt.step()
+            opt.zero_grad()
+            ref_model(**batch).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert_params_close(model, ref_model, f"step {step}")
+    finally:
+        opt.close()
+
+
+def test_two_backwards_of_one_graph_accumulate_as_torch_on_the_lean_path():
+    """retain_graph: the second backward meets the held placeholders of the first, with no
+    forward in between (the placeholder is cleared before autograd accumulates)."""
+    model, opt, ref_model, ref_opt = pair("off")
+    try:
+        for step in range(3):
+            batch = micro_batches(step)[0]
+            for m, o in ((model, opt), (ref_model, ref_opt)):
+                loss = m(**batch).loss
+                loss.backward(retain_graph=True)
+                (0.5 * loss).backward()
+                o.step()
+                o.zero_grad()
+            assert_params_close(model, ref_model, f"step {step}")
+    finally:
+        opt.close()
+
+
+def test_a_parameter_whose_data_changed_shape_falls_back_to_the_full_path():
+    """The held placeholder no longer fits (assigning it raises inside backward): the full path
+    takes the gradient and names the parameter and both shapes."""
+    model, opt, _, _ = pair("off")
+    try:
+        for step in range(2):
+            model(**micro_batches(step)[0]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        model.model.norm.weight.data = torch.ones(1)  # broadcasts in the forward
+        with pytest.raises(RuntimeError, match=r"gradient of 1 elements \(shape \(1,\)\), but the optimizer "
+                                               r"was built when it had 32 \(shape \(32,\)\)"):
+            model(**micro_batches(2)[0]).loss.backward()
+    finally:
+        opt.close()

@@ -106,17 +106,34 @@ def test_reference_back_end_takes_segments_as_their_concatenation():
     assert adam.sum_squares(split(grad, sizes)) == adam.sum_squares(grad)
 
 
-@pytest.mark.parametrize("case", ["too_few", "non_contiguous", "int_dtype", "aliases_param"])
+def test_segments_of_any_shape_are_read_as_their_elements_in_order(cpp_adam, isa):
+    # autograd's gradients keep their parameter's shape; the kernel reads them as they are
+    sizes = [(8, 4), (3,), (5, 2, 3)]
+    numels = [math.prod(s) for s in sizes]
+    *state, grad = random_state(sum(numels), seed=8)
+    shaped = [chunk.clone().view(shape) for chunk, shape in zip(grad.split(numels), sizes)]
+    flat_state, seg_state = clone_all(state), clone_all(state)
+    adam = cpp_adam(isa)
+    adam.adam_step_(*flat_state, grad, **HYPERS[1])
+    adam.adam_step_(*seg_state, SegmentedGrad(shaped, numels), **HYPERS[1])
+    for want, got in zip(flat_state, seg_state):
+        assert torch.equal(bits(want), bits(got))
+    assert adam.sum_squares(SegmentedGrad(shaped, numels)) == pytest.approx(fsum_of_squares(grad), rel=1e-12)
+
+
+@pytest.mark.parametrize("case", ["too_few", "non_contiguous", "transposed", "int_dtype", "aliases_param"])
 def test_bad_segments_raise_clear_errors_and_change_nothing(grace_adam_extension, case):
     n = 64
     *state, grad = random_state(n, seed=1)
     segments = list(grad.clone().split([32, 32]))
-    match = {"too_few": "must cover it exactly", "non_contiguous": "must be contiguous",
+    match = {"too_few": "must cover it exactly", "non_contiguous": "must be contiguous", "transposed": "must be contiguous",
              "int_dtype": "must be float32, bfloat16 or float16", "aliases_param": "share memory"}[case]
     if case == "too_few":
         segments = segments[:1]
     elif case == "non_contiguous":
         segments[1] = torch.randn(64)[::2]
+    elif case == "transposed":
+        segments[1] = torch.randn(8, 4).t()
     elif case == "int_dtype":
         segments[0] = torch.zeros(32, dtype=torch.int32)
     else:

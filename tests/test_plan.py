@@ -137,13 +137,35 @@ def test_bad_ready_orders_raise():
         build(ready_order=[8])
 
 
-def test_auto_bucket_size_is_32_mb_but_gives_small_models_four_buckets():
+def test_auto_bucket_size_is_32_mb_but_gives_small_models_four_buckets_on_an_accelerator():
     assert auto_bucket_numel("auto", 10**9) == 32 * 2**20 // 4
     assert auto_bucket_numel("auto", 1000) == 250
     assert auto_bucket_numel("auto", 1) == 1
     assert auto_bucket_numel(1.0, 10**9) == 2**18
     with pytest.raises(ValueError, match="bucket_size_mb"):
         auto_bucket_numel(0, 100)
+    # the CPU device (LayoutBuilder inline_host): no shrinking, buckets overlap nothing there
+    assert auto_bucket_numel("auto", 1000, min_buckets=1) == 1000
+    assert auto_bucket_numel("auto", 10**9, min_buckets=1) == 32 * 2**20 // 4
+    assert auto_bucket_numel(1.0, 10**9, min_buckets=1) == 2**18
+
+
+@pytest.mark.parametrize("device_mode", ["cpu", pytest.param("sim", marks=pytest.mark.sim)], indirect=True)
+def test_auto_buckets_on_the_cpu_device_are_one_per_group_for_a_small_model(device_mode):
+    """Host jobs run inline on the CPU device: one bucket per param group (each bucket costs
+    Python time per step there and overlaps nothing). The simulated device stands for an
+    accelerator: a small model still gets at least four buckets."""
+    from superoffload_hf import SuperOffloadAdamW
+
+    from _models import decay_groups, tiny_llama
+
+    model = tiny_llama(2)
+    with SuperOffloadAdamW(decay_groups(model, 1e-3, 0.01), config={"device_dtype": "fp32"}) as opt:
+        groups = {b.group for b in opt.plan.buckets}
+        if device_mode == "cpu":
+            assert len(opt.plan.buckets) == len(groups) == 2, str(opt.plan)
+        else:
+            assert len(opt.plan.buckets) >= 4, str(opt.plan)
 
 
 def test_the_guessed_order_interleaves_param_groups_as_the_model_does():

@@ -230,8 +230,9 @@ struct Segment {
   int64_t offset, numel;
 };
 
-// Every segment: fp32/bf16/fp16, CPU, 1-D, contiguous; none overlapping `state` (the buffers the
-// step writes). `n`: the element count they must add up to (-1: any).
+// Every segment: fp32/bf16/fp16, CPU, contiguous (of any shape: autograd's gradients as they come);
+// none overlapping `state` (the buffers the step writes). `n`: the element count they must add up
+// to (-1: any).
 std::vector<Segment> check_segments(const std::vector<at::Tensor>& grads, int64_t n,
                                     const std::vector<std::pair<const char*, const at::Tensor*>>& state) {
   std::vector<Segment> segments;
@@ -241,7 +242,10 @@ std::vector<Segment> check_segments(const std::vector<at::Tensor>& grads, int64_
     const at::Tensor& t = grads[k];
     const std::string name = "grads[" + std::to_string(k) + "]";
     const GradDtype gd = grad_dtype_of(t, name.c_str());
-    check_buffer(t, name.c_str(), t.numel());
+    TORCH_CHECK_TYPE(t.device().is_cpu(), "`", name, "` must be a CPU tensor, got ", describe(t),
+                     ". The host Adam works on host memory: pass the host copy of the gradient.");
+    TORCH_CHECK_VALUE(t.is_contiguous(), "`", name, "` must be contiguous, got ", describe(t),
+                      ". The kernel never works on a hidden copy: pass `.contiguous()` of it.");
     for (const auto& [state_name, s] : state) {
       TORCH_CHECK_VALUE(!overlaps(t, *s), "`", name, "` and `", state_name,
                         "` share memory; a gradient must not alias the state the step writes.");

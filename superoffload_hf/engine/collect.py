@@ -32,6 +32,8 @@ from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
 from superoffload_hf.engine.stepper import Hyper, StepCall
 from superoffload_hf.engine.validate import SpeculationBudget
 
+FP32 = torch.float32
+
 
 def invertible(h: Hyper, adamw: bool) -> bool:
     """Whether adam_rollback_ can undo a step with these hyperparameters (it divides by them)."""
@@ -49,18 +51,57 @@ class Collector:
         # it down (torch's OpenMP workers still spin there): a norm alone waits for step().
         self.launch_only_to_speculate = e.runtime.host_is_device
         self.held: list[Optional[HeldGrad]] = [None] * len(e.params)  # one placeholder per parameter
+        self.held_out = False  # a p.grad may be a placeholder (cleared by the next forward)
+        # Nothing is launched from a hook (the CPU device, not speculating) and no rank waits for
+        # our gradients: a bucket whose parameters alias its master may take the lean path.
+        self.lean_hooks = (self.launch_only_to_speculate and e.policy.mode != "on" and e.dp is None)
 
     # ---- autograd thread ------------------------------------------------------------------
 
-    def on_grad_accumulated(self, p: torch.Tensor) -> None:
+    def on_grad(self, index: int, p: torch.Tensor) -> None:
+        """The post-accumulate-grad hook of parameter `index` (hooks.py).
+
+        Lean path (`rt.lean`, set below once the bucket's first gradient of this step came through
+        the full path): a parameter's first gradient of the step is kept as autograd made it and
+        nothing else happens until step(), whose finish() closes the round. It runs inside
+        backward, between kernels, where every Python statement runs from a cold cache (about
+        25 us for the full path on a small model's parameter): keep it this short."""
+        rt, k = self.buckets.where[index]
+        if rt.lean and not rt.present[k]:
+            grad = p.grad
+            held = self.held[index]
+            if grad.dtype is FP32 and held is not None and grad.is_contiguous():
+                try:
+                    p.grad = held  # any later use of p.grad raises (e.g. clip_grad_norm_)
+                except RuntimeError:  # the parameter was resized under us: the full path says so
+                    pass
+                else:
+                    self.held_out = True
+                    rt.autograd_grads[k] = grad  # read in place by the step
+                    rt.present[k] = rt.round_fired[k] = True
+                    rt.fires[k] += 1
+                    return
+        self.engine.observer.open_step()
+        self.on_grad_accumulated(p, index)
+
+    def on_grad_accumulated(self, p: torch.Tensor, index: Optional[int] = None) -> None:
         self.worker.raise_if_failed()
-        index = self.buckets.index_of[p]
+        if index is None:
+            index = self.buckets.index_of[p]
         rt, k = self.buckets.where[index]
         grad = p.grad.detach().reshape(-1)
+        slot = rt.bucket.slots[k]
+        if grad.numel() != slot.numel:
+            raise RuntimeError(
+                f"Parameter {index} has a gradient of {grad.numel()} elements (shape {tuple(p.shape)}), but "
+                f"the optimizer was built when it had {slot.numel} (shape {tuple(slot.shape)}): it was "
+                "replaced or resized after the optimizer was built (`p.data = ...`). Build the optimizer "
+                "from the final model; to set new values, write them in place (`p.data.copy_(...)`).")
         held = self.held[index]
         if held is None or held.dtype != p.dtype or held.shape != p.shape:
             held = self.held[index] = HeldGrad(p)
         p.grad = held  # any later use of p.grad raises (e.g. clip_grad_norm_)
+        self.held_out = True
         if self.engine.fire_log is not None:
             self.engine.fire_log.record(index)
         if rt.bucket.device_resident:
@@ -69,6 +110,14 @@ class Collector:
             self.engine.dp.collect(rt, k, grad)
         else:
             self._collect_for_host(rt, k, grad)
+
+    def release_held(self) -> None:
+        """Before a forward: every placeholder back to None, so that this forward's backward
+        accumulates into a fresh gradient (the held ones are the optimizer's already)."""
+        self.held_out = False
+        for p in self.engine.params:
+            if type(p.grad) is HeldGrad:
+                p.grad = None
 
     def _accumulate_on_device(self, rt: BucketRuntime, k: int, grad: torch.Tensor) -> None:
         view = BucketBuffers.view(rt.bufs.grad, rt.bucket.slots[k])
@@ -111,6 +160,11 @@ class Collector:
             launch = rt.bucket.speculative and self._is_last_micro_batch(rt)
             spec = self._speculative_call(rt) if launch else None
             self.flush(rt, launch=launch and (spec is not None or not self.launch_only_to_speculate), spec=spec)
+        # the lean path (on_grad) from the next gradient on: it never launches and never flushes
+        # (finish() closes the round at step()), so it is taken only where the full path would
+        # not launch either and the step still reads autograd's gradients in place
+        rt.lean = (self.lean_hooks and rt.params_alias_master and rt.bufs.grad is None
+                   and rt.state is BucketState.COLLECTING and self.engine.fire_log is None)
 
     def _is_last_micro_batch(self, rt: BucketRuntime) -> bool:
         sync_source: Optional[Callable[[], bool]] = self.engine.sync_source

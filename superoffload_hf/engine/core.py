@@ -37,7 +37,7 @@ from superoffload_hf.engine.dp import DataParallel, check_not_ddp
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
-from superoffload_hf.engine.layout import FireLog, LayoutBuilder
+from superoffload_hf.engine.layout import FireLog, LayoutBuilder, common_device
 from superoffload_hf.engine.lifecycle import BucketState
 from superoffload_hf.engine.loss_scale import make_loss_scale
 from superoffload_hf.engine.memory import footprint
@@ -68,11 +68,12 @@ class Engine:
         self.config, self.adamw, self.counters = config, adamw, counters
         self.groups = param_groups  # the optimizer's live list: hyperparameters are read at use
         self.params = [p for g in param_groups for p in g["params"]]
-        self.layout = LayoutBuilder(self.params, param_groups, config)
-        self.runtime = make_runtime(self.layout.device)
+        self.runtime = make_runtime(common_device(self.params))
         bus_id = self.runtime.pci_bus_id() if hasattr(self.runtime, "pci_bus_id") else None
         numa_node = pci_numa_node(bus_id) if bus_id else None
         collectives = Collectives.create(process_group, numa_node=numa_node)
+        self.layout = LayoutBuilder(self.params, param_groups, config,
+                                    inline_host=self.runtime.host_is_device and collectives is None)
         self.dp: Optional[DataParallel] = None if collectives is None else DataParallel(collectives, self)
         check_not_ddp(self.params)
         if self.dp is not None:
@@ -151,17 +152,14 @@ class Engine:
 
     def summary(self) -> str:
         dp = "" if self.dp is None else f", {self.dp.describe()}"
-        return (f"SuperOffload: {len(self.plan.buckets)} buckets ({self.plan.num_device_buckets} "
+        n = len(self.plan.buckets)
+        return (f"SuperOffload: {n} bucket{'s' if n != 1 else ''} ({self.plan.num_device_buckets} "
                 f"device-resident) of <= {self.plan.bucket_numel} elements, device {self.runtime.name} "
                 f"{self.config.device_dtype}, cast {self.cast}, speculation {self.config.speculation}, "
                 f"rollback {self.config.rollback}, host Adam {self.adam.name}/{self.adam.isa} "
                 f"x{self.adam.threads} threads ({self.host_threads_note}){dp}")
 
     # ---- the hooks' entry points ----------------------------------------------------------
-
-    def on_grad_accumulated(self, p: torch.Tensor) -> None:
-        self.observer.open_step()
-        self.collector.on_grad_accumulated(p)
 
     def on_forward(self) -> None:
         self.observer.open_step()

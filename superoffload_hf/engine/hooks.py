@@ -1,8 +1,12 @@
 """Where the engine hooks into autograd and into module forwards: one small, named place.
 
 * Per parameter, a post-accumulate-grad hook hands the final gradient of this backward to the
-  engine, which moves it into its own fp32 buffers and replaces `p.grad` by a `HeldGrad`
-  placeholder; a tensor pre-hook clears that placeholder before the next backward accumulates.
+  engine, which keeps it or moves it into its own fp32 buffers and replaces `p.grad` by a
+  `HeldGrad` placeholder. The next forward clears the placeholders (`release_held`); a backward
+  that reaches a held parameter with no forward in between (retain_graph, several graphs kept)
+  finds autograd adding into the placeholder, which then restarts `p.grad` from the new gradient
+  alone (HeldGrad.__torch_dispatch__). No hook runs before accumulation: a Python hook per
+  parameter inside backward costs several microseconds each.
 * One global module forward pre-hook lets the next forward wait for exactly the buckets that
   own the parameters of the module about to run (the optimizer is given parameters, not the
   model, so it cannot register per-module hooks itself). It costs a set lookup and one
@@ -17,7 +21,7 @@ The hooks hold the engine through a weak reference, so they never keep an optimi
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -41,40 +45,55 @@ class HeldGrad(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _ACCUMULATE and not kwargs and len(args) == 2:
+            restarted = _restart_accumulation(func, args[0], args[1])
+            if restarted is not None:
+                return restarted
         raise RuntimeError(f"{HELD_GRAD_MESSAGE} (attempted: {func})")
 
     def __repr__(self) -> str:
         return f"HeldGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
 
-def _clear_held(param: torch.Tensor) -> Callable:
-    param_ref = weakref.ref(param)
+_ACCUMULATE = (torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor)
 
-    def pre_accumulate(grad: torch.Tensor) -> None:
-        p = param_ref()
-        if p is not None and isinstance(p.grad, HeldGrad):
-            p.grad = None  # the next backward starts a fresh gradient (ours is in our buffers)
+
+def _restart_accumulation(func, held: HeldGrad, new_grad: torch.Tensor) -> Optional[torch.Tensor]:
+    """Autograd's AccumulateGrad adding `new_grad` into this parameter's placeholder: the held
+    gradient is the optimizer's already, so `p.grad` becomes the new gradient alone (a copy: the
+    one autograd passes may be shared). Only for AccumulateGrad of the parameter `held` stands
+    in for; any other use raises. AccumulateGrad adds in place (`p.grad += new`: the new tensor
+    goes into the `.grad` slot it reads back) or, building a graph, out of place (returned)."""
+    param = getattr(torch._C._current_autograd_node(), "variable", None)
+    if param is None or param.grad is not held:
         return None
+    fresh = new_grad.clone()
+    if func is torch.ops.aten.add_.Tensor:
+        param.grad = fresh
+        return held  # (ignored: an in-place op returns its first argument)
+    return fresh
 
-    return pre_accumulate
+
+def _deliver(collector_ref: "weakref.ref", index: int) -> Callable:
+    def on_accumulated(p: torch.Tensor) -> None:
+        c = collector_ref()
+        if c is not None:
+            c.on_grad(index, p)
+
+    return on_accumulated
 
 
 def register_param_hooks(params: Sequence[torch.Tensor], engine, handles: list) -> list[torch.Tensor]:
-    """Hook every parameter that requires grad; return those that could not be hooked."""
-    engine_ref = weakref.ref(engine)
-
-    def on_accumulated(p: torch.Tensor) -> None:
-        e = engine_ref()
-        if e is not None:
-            e.on_grad_accumulated(p)
-
+    """Hook every parameter that requires grad; return those that could not be hooked. The
+    post-accumulate hook of parameter i calls `engine.collector.on_grad(i, p)`."""
+    collector_ref = weakref.ref(engine.collector)
+    index_of = engine.buckets.index_of
     unhooked = []
     for p in params:
         if not p.requires_grad:
             unhooked.append(p)
             continue
-        handles.append(p.register_hook(_clear_held(p)))
-        handles.append(p.register_post_accumulate_grad_hook(on_accumulated))
+        handles.append(p.register_post_accumulate_grad_hook(_deliver(collector_ref, index_of[p])))
     return unhooked
 
 
@@ -97,6 +116,8 @@ def register_forward_wait(engine, handles: list) -> None:
             return None
         if not e.observer.open:
             e.on_forward()
+        if e.collector.held_out:
+            e.collector.release_held()  # this forward's backward accumulates into fresh gradients
         if module not in watched:
             watched.add(module)
             if any(id(p) in owned for p in module.parameters(recurse=False)):

@@ -6,14 +6,16 @@ Rules (the "auto" choices of SuperOffloadConfig):
 * cast "auto": "device" when the device is the CPU; on CUDA, "device" (move fp32, cast on the
   device) when a page-locked host-to-device copy runs at >= FAST_LINK_GBPS (NVLink-C2C class),
   else "host" (the kernel writes the low-precision copy; half the bytes cross the link).
-* device_buckets and bucket_size_mb "auto": 0 device buckets when the device is the CPU. On an
+* device_buckets and bucket_size_mb "auto": 0 device buckets when the device is the CPU, and
+  (one process) buckets of 32 MB however small the model: host jobs run inline after backward
+  there, so more buckets overlap nothing and each costs Python time per step. On an
   accelerator both are chosen after the first step by the cost model (perf/cost_model.py) fed
   with that step's host-clock measurements (engine/autoplan.py: backward time from the gradient
   hooks, host Adam rate, link bandwidth, device Adam rate): at most half of the buckets stay on
   the device (offloading stays the point), and only as many of the last buckets as fit, with
   their real sizes, in a quarter of the free device memory (16 bytes per element: fp32 master,
   moments and gradient, plus the chunked float64 norm transient). Before the first step the
-  bucket size is 32 MB (fewer for a small model).
+  bucket size is 32 MB (on an accelerator, smaller for a small model: at least 4 buckets).
 * The first step never speculates: it records the order in which gradients arrive and how often
   each parameter's hook fires. The plan is rebuilt in that order; parameters that fire more or
   less often than most ("deferred": tied or reused parameters, unused ones) get non-speculative
@@ -30,7 +32,7 @@ from typing import Optional
 import torch
 
 from superoffload_hf.engine.memory import BufferPolicy, FootprintRow, footprint
-from superoffload_hf.engine.plan import BucketPlan, auto_bucket_numel
+from superoffload_hf.engine.plan import AUTO_MIN_BUCKETS, BucketPlan, auto_bucket_numel
 
 logger = logging.getLogger("superoffload_hf")
 
@@ -70,7 +72,8 @@ class FireLog:
 
 
 class LayoutBuilder:
-    def __init__(self, params: list[torch.Tensor], groups: list[dict], config):
+    def __init__(self, params: list[torch.Tensor], groups: list[dict], config, inline_host: bool = False):
+        """`inline_host`: the device is the CPU and host jobs run inline (one process)."""
         self.config = config
         self.params = params
         self.device = common_device(params)
@@ -79,7 +82,8 @@ class LayoutBuilder:
         index_of = {p: i for i, p in enumerate(params)}
         self.group_indices = [[index_of[p] for p in g["params"]] for g in groups]
         self.group_labels = [_label(g) for g in groups]
-        self.bucket_numel = auto_bucket_numel(config.bucket_size_mb, sum(p.numel() for p in params))
+        self.bucket_numel = auto_bucket_numel(config.bucket_size_mb, sum(p.numel() for p in params),
+                                              min_buckets=1 if inline_host else AUTO_MIN_BUCKETS)
         self.h2d_gbps: Optional[float] = None  # measured for cast "auto" (and reused by autoplan)
 
     def plan(self, device_buckets: int, ready_order=None, deferred=()) -> BucketPlan:
@@ -199,7 +203,7 @@ def estimate(params: list[torch.Tensor], groups: list[dict], config, accelerator
     taken as "host" (a PCIe-class link) and device_buckets "auto" as 0 (decided after step 1;
     under data parallelism the first plan is kept). `shard_world`: data parallel over that many
     ranks (the rows are one rank's), None for one process."""
-    layout = LayoutBuilder(params, groups, config)
+    layout = LayoutBuilder(params, groups, config, inline_host=not accelerator and shard_world is None)
     cast = config.cast if config.cast != "auto" else ("host" if accelerator else "device")
     pin = accelerator and config.pin_memory in (True, "auto")  # as Transfer decides
     policy = layout.buffer_policy(cast, pin, rounds_pinned=accelerator, accumulation_steps=accumulation_steps,

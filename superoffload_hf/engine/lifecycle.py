@@ -93,6 +93,7 @@ class BucketRuntime:
                 "superoffload_hf; please report it with the traceback."
             )
         self.state = to
+        self.lean = False  # Collector.on_grad: the full path decides again
 
     def reset(self) -> None:
         """Forget this accumulation step's collection (after step() or a discard)."""
@@ -107,8 +108,9 @@ class BucketRuntime:
         self.no_spec = False  # a gradient arrived after launch: no more speculation this step
         self.redo = False  # a speculative step was rolled back before step(): stepping is a replay
         self.norm_ready.clear()
-        # grad_on_demand: each parameter's gradient of this step as autograd produced it (flat
-        # views), read in place by the step. Released here, as torch frees them at zero_grad();
+        self.lean = False  # the hooks' lean path (Collector.on_grad) is off until the full path allows it
+        # grad_on_demand: each parameter's gradient of this step as autograd produced it (in the
+        # parameter's shape, contiguous), read in place by the step. Released here, as torch frees them at zero_grad();
         # no job can still read them: this path (the CPU device) runs its jobs inline.
         self.autograd_grads: list[Optional[torch.Tensor]] = [None] * n
         if self.grad_on_demand:
@@ -140,7 +142,7 @@ class BucketRuntime:
         for k, slot in enumerate(self.bucket.slots):
             held = self.autograd_grads[k]
             if held is not None:
-                BucketBuffers.view(flat, slot).copy_(held)
+                BucketBuffers.view(flat, slot).copy_(held.view(-1))  # kept in the parameter's shape
             else:
                 BucketBuffers.view(flat, slot).zero_()
         self.autograd_grads = [None] * len(self.bucket.slots)

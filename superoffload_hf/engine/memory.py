@@ -230,11 +230,13 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
                                  GRAD_RING_SLOTS * largest_host * _size(policy.link_dtype), transient=True))
         rows.append(FootprintRow("copy-back staging", "device",
                                  largest_host * _size(policy.lowp_dtype or FP32), transient=True))
-    if not largest_host or policy.params_alias_masters:
+    if not largest_host:
         rows.append(FootprintRow("transient (one bucket)", "device",
                                  largest * (_size(policy.link_dtype) + _size(policy.lowp_dtype or FP32)),
                                  transient=True))
     if policy.grad_on_demand:  # autograd's, read in place; from backward until step() ends, as in torch
+        # (a step with more backwards than declared micro-batches also allocates the fp32
+        # gradient buffers of the buckets that get a second gradient, for that step: lifecycle.py)
         rows.append(FootprintRow("gradients (autograd's)", "device", sum(host) * 4, transient=True))
     return rows
 

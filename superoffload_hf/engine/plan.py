@@ -143,12 +143,12 @@ class BucketPlan:
         return "\n".join(lines)
 
 
-def auto_bucket_numel(bucket_size_mb, total_numel: int) -> int:
+def auto_bucket_numel(bucket_size_mb, total_numel: int, min_buckets: int = AUTO_MIN_BUCKETS) -> int:
     """Elements per bucket for the config's `bucket_size_mb` ("auto": 32 MB, shrunk so that a
-    small model still gets at least 4 buckets)."""
+    small model still gets at least `min_buckets` buckets)."""
     if bucket_size_mb == "auto":
         full = int(AUTO_BUCKET_MB * BYTES_PER_MB) // FP32_BYTES
-        return max(1, min(full, math.ceil(total_numel / AUTO_MIN_BUCKETS)))
+        return max(1, min(full, math.ceil(total_numel / max(1, min_buckets))))
     if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
         raise ValueError(f"`bucket_size_mb` is {bucket_size_mb!r}; expected \"auto\" or a number > 0.")
     return max(1, int(bucket_size_mb * BYTES_PER_MB) // FP32_BYTES)
