@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from superoffload_hf.perf.cost_model import (
-    Bandwidth, Machine, Workload, bucket_sizes, candidate_bucket_numels, choose_plan, expected_step_s,
+    MEASURED_PASS_BYTES, Bandwidth, Machine, Workload, bucket_sizes, candidate_bucket_numels, choose_plan, expected_step_s,
     TIE_TOLERANCE, host_bytes_per_element, predict,
 )
 
@@ -68,7 +68,21 @@ def test_cpu_box_keeps_everything_on_the_host_and_does_not_speculate():
     assert plan.device_buckets == 0
     assert plan.cast == "device"  # no link to save bytes on; a host cast is one more host pass
     assert not plan.speculate  # nothing to overlap with: host and device share the cores
-    assert plan.num_buckets >= 4
+    # the engine's rule on the CPU device: 32 MB buckets, never shrunk (inline host jobs)
+    assert (plan.num_buckets, plan.bucket_numel) == (1, TINY.num_params)
+    big = dataclasses.replace(TINY, num_params=20_000_000)
+    assert choose_plan(CPU_BOX, big).bucket_numel == 32 * 2**20 // 4
+    assert choose_plan(CPU_BOX, big, bucket_sizes_mb=(4.0,)).bucket_numel == 2**20  # a size the config set
+
+
+def test_cpu_box_in_fp32_copies_nothing():
+    """fp32 on the CPU device: the parameters are the masters and the host Adam reads autograd's
+    gradients in place, so no transfer is predicted and the host pass reads 32 B/element (the
+    norm's 4 and Adam's 28) instead of 40 with the copies."""
+    bf16 = choose_plan(CPU_BOX, TINY).prediction
+    fp32 = choose_plan(dataclasses.replace(CPU_BOX, lowp_bytes=4), TINY).prediction
+    assert bf16.exposed_transfer_s > 0 and fp32.exposed_transfer_s == 0.0
+    assert fp32.host_busy_s == pytest.approx(TINY.num_params * 32 / (MEASURED_PASS_BYTES * CPU_BOX.host_adam_rate))
 
 
 def test_more_device_buckets_when_the_host_is_slow_relative_to_backward():

@@ -204,7 +204,8 @@ class Plan:
     def format(self) -> str:
         p = self.prediction
         lines = [
-            f"plan: bucket {self.bucket_mb:g} MB ({self.bucket_numel:,} elements, {self.num_buckets} buckets), "
+            f"plan: bucket {self.bucket_mb:g} MB ({self.bucket_numel:,} elements, {self.num_buckets} "
+            f"bucket{'s' if self.num_buckets != 1 else ''}), "
             f"{self.device_buckets} device-resident, cast on the {self.cast}, speculation {'on' if self.speculate else 'off'}",
             f"predicted step {p.step_s * 1e3:.2f} ms = forward {p.forward_s * 1e3:.2f} + backward {p.backward_s * 1e3:.2f}"
             f" + device Adam {p.device_adam_s * 1e3:.2f} + exposed host {p.exposed_host_s * 1e3:.2f}"
@@ -238,8 +239,11 @@ def predictions_by_device_buckets(machine: Machine, workload: Workload, bucket_n
         raise ValueError(f"`cast` is {cast!r}; valid choices are {list(CASTS)}.")
     sizes = bucket_sizes(workload.num_params, bucket_numel)
     n = len(sizes)
-    host_seconds_per_element = host_bytes_per_element(cast, machine.lowp_bytes) / (
-        MEASURED_PASS_BYTES * machine.host_adam_rate)
+    # the CPU with fp32: the parameters are views of the masters and the host Adam reads
+    # autograd's gradients in place (engine/buckets.py, host/segmented.py): nothing is copied
+    aliased = machine.host_is_device and machine.lowp_bytes == FP32
+    host_bytes = FP32 + 28 if aliased else host_bytes_per_element(cast, machine.lowp_bytes)  # norm, Adam pass
+    host_seconds_per_element = host_bytes / (MEASURED_PASS_BYTES * machine.host_adam_rate)
     late = {link: _lateness(machine, workload, sizes, cast, speculate, link) for link in (True, False)}
     out = []
     for k in range(n + 1):
@@ -248,7 +252,7 @@ def predictions_by_device_buckets(machine: Machine, workload: Workload, bucket_n
         device_adam_s = (workload.num_params - host_numel) / machine.device_adam_rate
         host_busy = host_numel * host_seconds_per_element
         if machine.host_is_device:
-            copies = sum(_copy_seconds(machine, cast, x) for x in sizes[:m])
+            copies = 0.0 if aliased else sum(_copy_seconds(machine, cast, x) for x in sizes[:m])
             out.append(Prediction(workload.forward_s, workload.backward_s, device_adam_s, host_busy, copies, host_busy))
             continue
         exposed = max(0.0, late[True][m] - device_adam_s)
@@ -294,9 +298,17 @@ def _lateness(machine: Machine, workload: Workload, sizes: Sequence[int], cast: 
 # ---- choosing ---------------------------------------------------------------------------------
 
 
-def candidate_bucket_numels(num_params: int, sizes_mb: Sequence[float] = BUCKET_SIZES_MB) -> list[int]:
+def candidate_bucket_numels(num_params: int, sizes_mb: Sequence[float] = BUCKET_SIZES_MB,
+                            host_is_device: bool = False) -> list[int]:
     """Bucket sizes (elements) that give the model at least MIN_BUCKETS buckets; a small model
-    gets one size, num_params / MIN_BUCKETS."""
+    gets one size, num_params / MIN_BUCKETS. Where the host is the device, the engine's own rule
+    (engine/plan.py auto_bucket_numel, never shrunk): its host jobs run inline after backward, so
+    more buckets overlap nothing and only cost Python time per step, which this model leaves out."""
+    if host_is_device:
+        from superoffload_hf.engine.plan import auto_bucket_numel
+
+        sizes = ["auto"] if tuple(sizes_mb) == BUCKET_SIZES_MB else list(sizes_mb)
+        return sorted({auto_bucket_numel(mb, num_params, min_buckets=1) for mb in sizes})
     numels = [int(mb * MB) // FP32 for mb in sizes_mb]
     fitting = [n for n in numels if math.ceil(num_params / n) >= MIN_BUCKETS]
     return fitting or [max(1, math.ceil(num_params / MIN_BUCKETS))]
@@ -334,7 +346,7 @@ def choose_plan(machine: Machine, workload: Workload, *, bucket_sizes_mb: Sequen
         casts = ("device",)  # no link to save bytes on; a host cast is one more pass over host memory
     scored = []
     for cast in casts:
-        for numel in candidate_bucket_numels(workload.num_params, bucket_sizes_mb):
+        for numel in candidate_bucket_numels(workload.num_params, bucket_sizes_mb, machine.host_is_device):
             count = len(bucket_sizes(workload.num_params, numel))
             plain = predictions_by_device_buckets(machine, workload, numel, cast, speculate=False)
             fast = predictions_by_device_buckets(machine, workload, numel, cast, speculate=True)
