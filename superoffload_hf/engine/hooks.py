@@ -9,8 +9,8 @@
   parameter inside backward costs several microseconds each.
 * One global module forward pre-hook lets the next forward wait for exactly the buckets that
   own the parameters of the module about to run (the optimizer is given parameters, not the
-  model, so it cannot register per-module hooks itself). It costs a set lookup and one
-  attribute test per module call while nothing is in flight. On a module's first forward it
+  model, so it cannot register per-module hooks itself). It costs a set lookup and two
+  attribute tests per module call while nothing is in flight. On a module's first forward it
   also registers a state-dict pre-hook there, so `model.state_dict()` / `save_pretrained`
   between step() and the next forward read updated weights. Reading `p` directly (an EMA in a
   custom loop) needs `optimizer.synchronize()` first.

@@ -110,8 +110,9 @@ class BucketRuntime:
         self.norm_ready.clear()
         self.lean = False  # the hooks' lean path (Collector.on_grad) is off until the full path allows it
         # grad_on_demand: each parameter's gradient of this step as autograd produced it (in the
-        # parameter's shape, contiguous), read in place by the step. Released here, as torch frees them at zero_grad();
-        # no job can still read them: this path (the CPU device) runs its jobs inline.
+        # parameter's shape, contiguous), read in place by the step. Released here, as torch
+        # frees them at zero_grad(); no job can still read them: this path (the CPU device) runs
+        # its jobs inline.
         self.autograd_grads: list[Optional[torch.Tensor]] = [None] * n
         if self.grad_on_demand:
             self.grad_in = None
