@@ -57,8 +57,11 @@ simpler plan (fewer device buckets, larger buckets, speculation off)."""
 CASTS = ("device", "host")
 
 
-def host_bytes_per_element(cast: str, lowp_bytes: int) -> float:
-    """Host memory traffic per element of one host bucket's step, copies included."""
+def host_bytes_per_element(cast: str, lowp_bytes: int, aliased: bool = False) -> float:
+    """Host memory traffic per element of one host bucket's step, copies included. `aliased`:
+    the CPU device with fp32, where nothing is copied (the norm reads g, then the Adam pass)."""
+    if aliased:
+        return FP32 + 28
     if cast == "device":
         return FP32 + FP32 + 28 + FP32  # D2H lands g, norm reads g, Adam pass, H2D reads p
     return lowp_bytes + lowp_bytes + (28 - FP32 + lowp_bytes) + lowp_bytes + lowp_bytes  # land, norm, Adam, copy, H2D
@@ -242,8 +245,8 @@ def predictions_by_device_buckets(machine: Machine, workload: Workload, bucket_n
     # the CPU with fp32: the parameters are views of the masters and the host Adam reads
     # autograd's gradients in place (engine/buckets.py, host/segmented.py): nothing is copied
     aliased = machine.host_is_device and machine.lowp_bytes == FP32
-    host_bytes = FP32 + 28 if aliased else host_bytes_per_element(cast, machine.lowp_bytes)  # norm, Adam pass
-    host_seconds_per_element = host_bytes / (MEASURED_PASS_BYTES * machine.host_adam_rate)
+    host_seconds_per_element = host_bytes_per_element(cast, machine.lowp_bytes, aliased) / (
+        MEASURED_PASS_BYTES * machine.host_adam_rate)
     late = {link: _lateness(machine, workload, sizes, cast, speculate, link) for link in (True, False)}
     out = []
     for k in range(n + 1):
