@@ -75,7 +75,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        decision = self._engine.step(self.max_grad_norm)
+        decision = self._open_engine().step(self.max_grad_norm)
         self.last_grad_norm = decision.grad_norm
         self.last_step_skipped = decision.kind == "skip"
         return loss
@@ -93,13 +93,13 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         state tensors reference the live state (views of the host buffers, no copy): they change
         as training goes on, and writing into them changes the optimizer. `copy.deepcopy` it to
         keep a snapshot in memory; `torch.save` it to keep one on disk."""
-        return checkpoint.state_dict(self._engine, self.param_groups)
+        return checkpoint.state_dict(self._open_engine(), self.param_groups)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Any saved layout: a single-process state dict, or every rank's shard state dicts (a
         list, e.g. `superoffload_hf.engine.shard_checkpoint.read_shards(dir)`) saved by any number
         of ranks; under data parallelism each rank reads only its own ranges."""
-        checkpoint.load_state_dict(self._engine, self.param_groups, state_dict)
+        checkpoint.load_state_dict(self._open_engine(), self.param_groups, state_dict)
 
     # ---- data parallelism -----------------------------------------------------------------
 
@@ -185,8 +185,15 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         return self._engine.write_timeline()
 
     def close(self) -> None:
-        """Stop the host worker and remove the hooks (also done on garbage collection)."""
+        """Stop the host worker, remove the hooks and free the optimizer's buffers (also done
+        when the optimizer is dropped). Take `state_dict()` before closing to keep the state."""
         self._finalizer()
+
+    def _open_engine(self) -> Engine:
+        if self._engine.closed:
+            raise RuntimeError("This SuperOffload optimizer was closed (close(), or the `with` block ended): its "
+                               "state is freed. Build a new optimizer (load a state_dict taken before close()).")
+        return self._engine
 
     def __enter__(self):
         return self

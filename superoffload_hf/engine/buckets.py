@@ -112,6 +112,11 @@ class BucketSet:
                 setattr(bb, kind, None)  # the last views of the old buffers of this kind: freed now
         self._set_runtimes(plan, bufs)
 
+    def release(self) -> None:
+        """close(): drop every buffer (the caller has waited for every job and copy). Aliased
+        parameters keep their values: they are views of the masters' memory, now the model's."""
+        self.runtimes, self.arenas, self.where, self.runtime_of, self._aliases = [], {}, {}, {}, []
+
     def _kinds(self) -> tuple[str, ...]:
         # master before lowp (lowp is filled from it); grad last (it holds nothing between steps)
         return tuple(k for k in ("master", "lowp", "exp_avg", "exp_avg_sq", "grad", "recv")
@@ -122,9 +127,12 @@ class BucketSet:
                 for b in plan.buckets]
 
     def _transient_alloc(self, numel: int):
+        # closes over the ledger, not `self`: the buffers it serves belong to `self` (no cycle)
+        ledger, runtime, pin = self.ledger, self.runtime, self.policy.pin
+
         def alloc(kind: str, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-            place = "pinned" if pinned and self.policy.pin else "host"
-            return self.ledger.allocate(self.runtime, kind, place, numel, dtype)
+            place = "pinned" if pinned and pin else "host"
+            return ledger.allocate(runtime, kind, place, numel, dtype)
         return alloc
 
     def _allocate_kind(self, plan: BucketPlan, bufs: list[BucketBuffers], kind: str) -> None:

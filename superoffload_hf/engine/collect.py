@@ -41,20 +41,24 @@ def invertible(h: Hyper, adamw: bool) -> bool:
 
 
 class Collector:
-    def __init__(self, engine):
-        e = engine
-        self.engine = e  # read at use: fire_log, max_grad_norm, sync_source change over time
-        self.buckets, self.transfer, self.worker, self.jobs = e.buckets, e.transfer, e.worker, e.jobs
-        self.waiter, self.step, self.counters, self.config = e.waiter, e.step_state, e.counters, e.config
-        self.link_dtype = e.layout.link_dtype(e.cast)
+    def __init__(self, *, params, buckets, transfer, worker, jobs, waiter, step_state, counters,
+                 gradient_accumulation_steps: int, link_dtype, host_is_device: bool, policy, loss_scale,
+                 dp, observer, live, unhooked: list, handles: list):
+        self.params, self.buckets, self.transfer, self.worker, self.jobs = params, buckets, transfer, worker, jobs
+        self.waiter, self.step, self.counters = waiter, step_state, counters
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.policy, self.loss_scale, self.dp, self.observer = policy, loss_scale, dp, observer
+        self.live = live  # read at use: fire_log, max_grad_norm, sync_source change over time
+        self.unhooked, self.handles = unhooked, handles  # frozen parameters; every hook's handle
+        self.link_dtype = link_dtype
         # The CPU device: host jobs run inline, between backward's kernels, where they only slow
         # it down (torch's OpenMP workers still spin there): a norm alone waits for step().
-        self.launch_only_to_speculate = e.runtime.host_is_device
-        self.held: list[Optional[HeldGrad]] = [None] * len(e.params)  # one placeholder per parameter
+        self.launch_only_to_speculate = host_is_device
+        self.held: list[Optional[HeldGrad]] = [None] * len(params)  # one placeholder per parameter
         self.held_out = False  # a p.grad may be a placeholder (cleared by the next forward)
         # Nothing is launched from a hook (the CPU device, not speculating) and no rank waits for
         # our gradients: a bucket whose parameters alias its master may take the lean path.
-        self.lean_hooks = (self.launch_only_to_speculate and e.policy.mode != "on" and e.dp is None)
+        self.lean_hooks = (self.launch_only_to_speculate and policy.mode != "on" and dp is None)
 
     # ---- autograd thread ------------------------------------------------------------------
 
@@ -81,7 +85,7 @@ class Collector:
                     rt.present[k] = rt.round_fired[k] = True
                     rt.fires[k] += 1
                     return
-        self.engine.observer.open_step()
+        self.observer.open_step()
         self.on_grad_accumulated(p, index)
 
     def on_grad_accumulated(self, p: torch.Tensor, index: Optional[int] = None) -> None:
@@ -102,12 +106,12 @@ class Collector:
             held = self.held[index] = HeldGrad(p)
         p.grad = held  # any later use of p.grad raises (e.g. clip_grad_norm_)
         self.held_out = True
-        if self.engine.fire_log is not None:
-            self.engine.fire_log.record(index)
+        if self.live.fire_log is not None:
+            self.live.fire_log.record(index)
         if rt.bucket.device_resident:
             self._accumulate_on_device(rt, k, grad)
-        elif self.engine.dp is not None:
-            self.engine.dp.collect(rt, k, grad)
+        elif self.dp is not None:
+            self.dp.collect(rt, k, grad)
         else:
             self._collect_for_host(rt, k, grad)
 
@@ -115,7 +119,7 @@ class Collector:
         """Before a forward: every placeholder back to None, so that this forward's backward
         accumulates into a fresh gradient (the held ones are the optimizer's already)."""
         self.held_out = False
-        for p in self.engine.params:
+        for p in self.params:
             if type(p.grad) is HeldGrad:
                 p.grad = None
 
@@ -164,19 +168,19 @@ class Collector:
         # (finish() closes the round at step()), so it is taken only where the full path would
         # not launch either and the step still reads autograd's gradients in place
         rt.lean = (self.lean_hooks and rt.params_alias_master and rt.bufs.grad is None
-                   and rt.state is BucketState.COLLECTING and self.engine.fire_log is None)
+                   and rt.state is BucketState.COLLECTING and self.live.fire_log is None)
 
     def _is_last_micro_batch(self, rt: BucketRuntime) -> bool:
-        sync_source: Optional[Callable[[], bool]] = self.engine.sync_source
+        sync_source: Optional[Callable[[], bool]] = self.live.sync_source
         if sync_source is not None:
             return bool(sync_source())
-        return max(rt.fires) >= self.config.gradient_accumulation_steps
+        return max(rt.fires) >= self.gradient_accumulation_steps
 
     def _speculative_call(self, rt: BucketRuntime) -> Optional[StepCall]:
         s = self.step
         if s.speculating is None:  # one decision per step, at its first launch
-            s.speculating = self.engine.fire_log is None and self.engine.policy.should_speculate()
-            s.budget = SpeculationBudget(self.engine.max_grad_norm, self.engine.loss_scale.scale)
+            s.speculating = self.live.fire_log is None and self.policy.should_speculate()
+            s.budget = SpeculationBudget(self.live.max_grad_norm, self.loss_scale.scale)
         if not s.speculating or rt.no_spec or not all(rt.present):
             return None
         call = s.call(rt, 1.0)
@@ -239,18 +243,17 @@ class Collector:
 
     def adopt_unhooked_grads(self) -> None:
         """Parameters frozen at construction and unfrozen since: hook them; take their grads."""
-        e = self.engine
-        for p in [p for p in e.unhooked if p.requires_grad]:
-            e.unhooked.remove(p)
-            register_param_hooks([p], e, e.handles)
+        for p in [p for p in self.unhooked if p.requires_grad]:
+            self.unhooked.remove(p)
+            register_param_hooks([p], self, self.buckets.index_of, self.handles)
             if p.grad is not None and not isinstance(p.grad, HeldGrad):
                 self.on_grad_accumulated(p)
 
     def finish(self) -> bool:
         """Flush partial rounds and launch every staged bucket not launched yet. False when
         there is nothing to step (data parallel: no rank had a gradient)."""
-        if self.engine.dp is not None:
-            return self.engine.dp.finish()
+        if self.dp is not None:
+            return self.dp.finish()
         for rt in self.buckets.host():
             if any(rt.round_fired):
                 self.flush(rt)
@@ -262,8 +265,8 @@ class Collector:
     def discard(self) -> None:
         """Forget this step's gradients (zero_grad() between backward and step()), undoing any
         speculative step taken with them. The caller resets and synchronizes afterwards."""
-        if self.engine.dp is not None:
-            return self.engine.dp.discard()
+        if self.dp is not None:
+            return self.dp.discard()
         for rt in self.buckets.host():
             if rt.round_dev is not None:
                 self.transfer.release_grad_slot(rt.take_round())

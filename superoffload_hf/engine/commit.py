@@ -17,11 +17,11 @@ from superoffload_hf.host import reference
 
 
 class Committer:
-    def __init__(self, engine):
-        e = engine
-        self.engine = e
-        self.buckets, self.worker, self.jobs, self.waiter = e.buckets, e.worker, e.jobs, e.waiter
-        self.step, self.counters, self.adamw = e.step_state, e.counters, e.adamw
+    def __init__(self, *, buckets, worker, jobs, waiter, step_state, counters, adamw: bool, dp, policy,
+                 loss_scale):
+        self.buckets, self.worker, self.jobs, self.waiter = buckets, worker, jobs, waiter
+        self.step, self.counters, self.adamw = step_state, counters, adamw
+        self.dp, self.policy, self.loss_scale = dp, policy, loss_scale
 
     def global_sum_squares(self) -> float:
         parts = {}
@@ -37,7 +37,7 @@ class Committer:
             if rt.staged:
                 self.waiter.wait(rt.norm_ready, f"norm of bucket {rt.bucket.index}")
                 parts[rt.bucket.index] = rt.sumsq
-        dp = self.engine.dp
+        dp = self.dp
         if dp is not None:  # the host parts are this rank's shards: summed over the ranks
             host = {rt.bucket.index for rt in self.buckets.host()}
             return dp.global_sum_squares(sum(parts[i] for i in sorted(parts) if i in host),
@@ -90,8 +90,8 @@ class Committer:
         c.skips += skipped
         self.account_flags()
         c.replays += s.replayed
-        self.engine.policy.record(decision, s.speculating is True, s.rolled_back)
-        self.engine.loss_scale.update(skipped)
+        self.policy.record(decision, s.speculating is True, s.rolled_back)
+        self.loss_scale.update(skipped)
 
     def account_flags(self) -> None:
         self.counters.speculative_steps += self.step.speculative

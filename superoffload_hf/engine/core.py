@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -38,6 +39,7 @@ from superoffload_hf.engine.placement import bind_current_thread, bound_to, host
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
 from superoffload_hf.engine.layout import FireLog, LayoutBuilder, common_device
+from superoffload_hf.engine.live import LiveInputs
 from superoffload_hf.engine.lifecycle import BucketState
 from superoffload_hf.engine.loss_scale import make_loss_scale
 from superoffload_hf.engine.memory import footprint
@@ -53,6 +55,12 @@ from superoffload_hf.perf.cost_model import BUCKET_SIZES_MB, choose_plan, predic
 logger = logging.getLogger("superoffload_hf")
 
 EMPTY_STEP = Decision("empty", 0.0, 1.0)
+
+
+def weak_method(method: Callable) -> Callable:
+    """`method`, called through a weak reference to its object (which outlives every call)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 def auto_host_threads(cores: int, device_is_host: bool = False) -> int:
@@ -111,10 +119,9 @@ class Engine:
         self.layout.cast_params_in_place()
         self.runtime.adopt(self.params)
         self.step_state = StepState(param_groups, self.buckets.param_steps, self.loss_scale)
-        self.sync_source: Optional[Callable[[], bool]] = None
-        self.max_grad_norm: Optional[float] = None  # the optimizer keeps it current
-        # None once learned; data parallel: the initial plan on every rank (no re-planning)
-        self.fire_log: Optional[FireLog] = None if self.dp else FireLog(len(self.params))
+        # max_grad_norm (the optimizer keeps it current), sync_source, fire_log (None once
+        # learned; data parallel: the initial plan on every rank, no re-planning)
+        self.live = LiveInputs(fire_log=None if self.dp else FireLog(len(self.params)))
         self._host_seconds_before_learning = counters.host_step_seconds
         self.learned: Optional[dict] = None  # the learned plan's inputs, for checkpoints
         self.worker = InlineWorker() if self.runtime.host_is_device else HostWorker()
@@ -122,17 +129,33 @@ class Engine:
             self.worker.submit(functools.partial(bind_current_thread, placement.cores), Pending())
         if self.dp is not None:
             self.jobs.gather = self.dp.gather_back
-        self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, self._reopen)
-        self.collector = Collector(self)
-        self.committer = Committer(self)
-        self.step_returns_early = self.transfer.is_async  # CPU: step() finishes all host work
+        self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, reopen=None)  # set below
         self.handles: list = []
-        self.unhooked = register_param_hooks(self.params, self, self.handles)
+        self.unhooked: list = []
+        # The parts get the collaborators they use, never the engine: no reference cycle, so a
+        # dropped (or closed) optimizer frees its buffers at once, without the cyclic collector.
+        self.collector = Collector(
+            params=self.params, buckets=self.buckets, transfer=self.transfer, worker=self.worker, jobs=self.jobs,
+            waiter=self.waiter, step_state=self.step_state, counters=counters,
+            gradient_accumulation_steps=config.gradient_accumulation_steps, link_dtype=self.layout.link_dtype(self.cast),
+            host_is_device=self.runtime.host_is_device, policy=self.policy, loss_scale=self.loss_scale, dp=self.dp,
+            observer=self.observer, live=self.live, unhooked=self.unhooked, handles=self.handles)
+        self.waiter.reopen = weak_method(self.collector.reopen)  # weakly: the collector holds the waiter
+        self.committer = Committer(
+            buckets=self.buckets, worker=self.worker, jobs=self.jobs, waiter=self.waiter, step_state=self.step_state,
+            counters=counters, adamw=adamw, dp=self.dp, policy=self.policy, loss_scale=self.loss_scale)
+        self.step_returns_early = self.transfer.is_async  # CPU: step() finishes all host work
+        self.closed = False
+        self.unhooked.extend(register_param_hooks(self.params, self.collector, self.buckets.index_of, self.handles))
         register_forward_wait(self, self.handles)
         logger.info(self.summary())
 
-    def _reopen(self, rt) -> None:
-        self.collector.reopen(rt)
+    # the values the parts read at use (LiveInputs), set by the optimizer and by _learn
+    max_grad_norm = property(lambda self: self.live.max_grad_norm,
+                             lambda self, value: setattr(self.live, "max_grad_norm", value))
+    sync_source = property(lambda self: self.live.sync_source,
+                           lambda self, value: setattr(self.live, "sync_source", value))
+    fire_log = property(lambda self: self.live.fire_log, lambda self, value: setattr(self.live, "fire_log", value))
 
     @property
     def plan(self):
@@ -310,10 +333,18 @@ class Engine:
         return self.observer.close()
 
     def close(self) -> None:
+        """Stop the worker, remove the hooks, and free every buffer (host arenas, device buffers,
+        the transfer's ring and staging) now, whoever still holds the optimizer."""
         remove_handles(self.handles)
         try:
             if self.worker.failure is None:
+                # the hooks are gone: no later forward waits for the copy-backs in flight, so
+                # order the compute stream after them here
                 self.synchronize()
                 self.observer.close()
         finally:
             self.worker.stop()
+            self.closed = True
+            self.waiter.inflight.clear()
+            self.buckets.release()
+            self.transfer.reserve(0)  # the gradient ring and the copy-back staging buffers go

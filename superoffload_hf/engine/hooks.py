@@ -83,11 +83,10 @@ def _deliver(collector_ref: "weakref.ref", index: int) -> Callable:
     return on_accumulated
 
 
-def register_param_hooks(params: Sequence[torch.Tensor], engine, handles: list) -> list[torch.Tensor]:
+def register_param_hooks(params: Sequence[torch.Tensor], collector, index_of: dict, handles: list) -> list[torch.Tensor]:
     """Hook every parameter that requires grad; return those that could not be hooked. The
-    post-accumulate hook of parameter i calls `engine.collector.on_grad(i, p)`."""
-    collector_ref = weakref.ref(engine.collector)
-    index_of = engine.buckets.index_of
+    post-accumulate hook of parameter i (`index_of[p]`) calls `collector.on_grad(i, p)`."""
+    collector_ref = weakref.ref(collector)
     unhooked = []
     for p in params:
         if not p.requires_grad:
