@@ -219,3 +219,29 @@ def test_prepare_refuses_an_optimizer_that_is_not_superoffload():
     model = tiny_llama(num_layers=1)
     with pytest.raises(TypeError, match="SuperOffloadAdamW"):
         prepare(make_accelerator(), model, torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["stock", "superoffload"])
+def test_a_dropped_accelerator_frees_its_prepared_optimizer_without_the_cyclic_collector(kind):
+    """As with stock AdamW: dropping the accelerator and what `prepare` returned frees the
+    optimizer (and its host arenas) at once, with gc disabled."""
+    import gc
+    import weakref
+
+    accelerator = make_accelerator()
+    model, optimizer, data, scheduler = (superoffload_setup if kind == "superoffload" else stock_setup)(accelerator)
+    run_loop(accelerator, model, optimizer, list(data)[:2], scheduler)
+    inner = optimizer.optimizer
+    ledger = inner._engine.buckets.ledger if kind == "superoffload" else None
+    freed = weakref.ref(inner)
+    del inner
+    gc.collect()
+    gc.disable()
+    try:
+        del accelerator, model, optimizer, data, scheduler
+        assert freed() is None
+        if ledger is not None:
+            assert ledger.bytes() == 0, dict(ledger.live)
+    finally:
+        gc.enable()
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -54,7 +54,7 @@ def test_a_timeline_run_writes_every_track_per_bucket_with_rollbacks_marked(tmp_
     spans = [e for e in events if e.get("ph") == "X"]
     steps = {e["name"] for e in spans if e["tid"] == tid_of["step"]}
     assert steps == {"step 2", "step 3"}
-    buckets = {b.bucket.index for b in opt._engine.runtimes if not b.bucket.device_resident}
+    buckets = {b.index for b in opt.plan.buckets if not b.device_resident}
     host_adam = [e for e in spans if e["tid"] == tid_of["host Adam"]]
     assert {e["args"]["bucket"] for e in host_adam} == buckets  # an event per bucket
     assert {e["args"]["bucket"] for e in spans if e["tid"] == tid_of["device-to-host"]} == buckets

@@ -419,3 +419,47 @@ def test_importing_the_core_does_not_import_transformers_or_accelerate():
 
     assert (trainer_cls, args_cls, callback_cls) == (Trainer, TrainingArguments, SuperOffloadCallback)
     assert plugin_cls.__module__ == "superoffload_hf.integrations.accelerate"
+
+
+# ---- a dropped Trainer frees its optimizer ---------------------------------------------------
+
+
+def _innermost(optimizer):
+    while hasattr(optimizer, "optimizer") and not hasattr(optimizer, "_engine"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+@pytest.mark.parametrize("kind", ["stock", "superoffload", "autopatched"])
+def test_a_dropped_trainer_frees_its_optimizer_without_the_cyclic_collector(tmp_path, kind):
+    """As with stock AdamW, the last reference to a Trainer is the last one to its optimizer:
+    with gc disabled, dropping the Trainer frees the optimizer's host arenas at once."""
+    import gc
+    import weakref
+
+    import transformers
+
+    from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
+    from superoffload_hf.integrations.trainer_hooks import SuperOffloadHooks
+
+    args = make_args(tmp_path, kind, max_steps=2, superoffload=kind == "superoffload")
+    if kind == "autopatched":
+        trainer = transformers.Trainer(model=tiny_llama(num_layers=2), args=args, train_dataset=TinyDataset())
+        SuperOffloadHooks(trainer, SuperOffloadPlugin(**SPECULATE)).bind_to_trainer()  # what autopatch does
+        trainer.train()
+    else:
+        trainer = train(args)
+    optimizer = _innermost(trainer.optimizer)
+    assert hasattr(optimizer, "_engine") == (kind != "stock")
+    ledger = optimizer._engine.buckets.ledger if kind != "stock" else None
+    freed = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    gc.disable()
+    try:
+        del trainer
+        assert freed() is None
+        if ledger is not None:
+            assert ledger.bytes() == 0, dict(ledger.live)
+    finally:
+        gc.enable()

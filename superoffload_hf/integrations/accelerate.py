@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
@@ -187,10 +188,12 @@ def keep_model_unwrapped(accelerator: Accelerator) -> None:
     torch.compile; no DDP wrap). The one place this integration changes Accelerate's behaviour."""
     if getattr(accelerator, "_superoffload_keeps_model_unwrapped", False):
         return
-    prepare_model = accelerator.prepare_model
+    # the class's method and a weak reference: the accelerator's own bound method stored on it
+    # would be a reference cycle, keeping a dropped accelerator's optimizer alive until gc runs
+    prepare_model, accelerator_ref = type(accelerator).prepare_model, weakref.ref(accelerator)
 
     def prepare_model_without_ddp(model, device_placement=None, evaluation_mode=False):
-        return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        return prepare_model(accelerator_ref(), model, device_placement=device_placement, evaluation_mode=True)
 
     accelerator.prepare_model = prepare_model_without_ddp
     accelerator._superoffload_keeps_model_unwrapped = True
@@ -330,7 +333,9 @@ def wrap_optimizer(accelerator: Accelerator, optimizer: torch.optim.Optimizer,
     keep_model_unwrapped(accelerator)
     # The optimizer reads the accumulation boundary while backward runs: Accelerate (or the
     # Trainer, which sets it per micro-batch) has set sync_gradients before the backward starts.
-    optimizer.set_gradient_sync_source(lambda: accelerator.sync_gradients)
+    # (the accelerator's gradient state, not the accelerator: that holds the optimizer, a cycle)
+    gradient_state = accelerator.gradient_state
+    optimizer.set_gradient_sync_source(lambda: gradient_state.sync_gradients)
     if (device_dtype or optimizer_device_dtype(optimizer)) == "fp16":
         accelerator.scaler = SuperOffloadLossScaler(optimizer)
     return SuperOffloadAcceleratedOptimizer(optimizer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -52,26 +53,31 @@ class SuperOffloadHooks:
     def __init__(self, trainer: HFTrainer, plugin: SuperOffloadPlugin):
         check_hook_points(type(trainer))
         check_trainer_supported(trainer)
-        self.trainer = trainer
+        # weakly: the Trainer holds the hooks (a cycle would keep a dropped Trainer's optimizer alive)
+        self._trainer = weakref.ref(trainer)
         self.plugin = plugin
         self.callback = SuperOffloadCallback()
         insert_after_flow_callback(trainer.callback_handler.callbacks, self.callback)
 
+    @property
+    def trainer(self) -> HFTrainer:
+        return self._trainer()
+
     def bind_to_trainer(self) -> None:
-        """Bind the hooks onto a stock Trainer instance (what the launcher's autopatch does)."""
-        trainer = self.trainer
+        """Bind the hooks onto a stock Trainer instance (what the launcher's autopatch does).
+        The bound replacements reach the Trainer's own methods through the class and the hooks'
+        weak reference: a bound method of the Trainer stored on it would be a reference cycle."""
+        trainer, cls = self.trainer, type(self.trainer)
         trainer.superoffload = self
         trainer.create_optimizer = self.create_optimizer
         trainer._clip_grad_norm = self.clip_grad_norm
         trainer._get_grad_norm = self.get_grad_norm
-        original_save, original_load = trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler
         trainer._save_optimizer_and_scheduler = lambda output_dir: self.save_optimizer_and_scheduler(
-            original_save, output_dir)
+            cls._save_optimizer_and_scheduler.__get__(self.trainer), output_dir)
         trainer._load_optimizer_and_scheduler = lambda checkpoint: self.load_optimizer_and_scheduler(
-            original_load, checkpoint)
-        original_train = trainer.train
+            cls._load_optimizer_and_scheduler.__get__(self.trainer), checkpoint)
         trainer.train = lambda resume_from_checkpoint=None, *args, **kwargs: self.train(
-            original_train, resume_from_checkpoint, *args, **kwargs)
+            cls.train.__get__(self.trainer), resume_from_checkpoint, *args, **kwargs)
 
     def train(self, original_train, resume_from_checkpoint=None, *args, **kwargs):
         """`Trainer.train`, resuming only from a complete checkpoint with its optimizer state (or,
