@@ -326,6 +326,29 @@ def test_a_parameter_whose_hook_fires_twice_per_backward_is_deferred_and_correct
         assert sorted(i for b in deferred for i in b.param_indices) == [2, 3]  # shared.weight, shared.bias
 
 
+def test_snapshot_rollback_copies_through_the_host_adams_pool_and_restores_exactly():
+    """rollback "snapshot": the worker takes and restores the snapshot with the host Adam's own
+    copy (its thread pool, GIL released), never torch's OpenMP team, which would spin beside the
+    pool during backward; the clipped steps then match torch element by element."""
+    model, opt = make({"speculation": "on", "rollback": "snapshot"})
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    adam, copies = opt._engine.adam, []
+    kernel_copy = adam.grad_copy_
+    adam.grad_copy_ = lambda dst, src: copies.append((dst, src)) or kernel_copy(dst, src)
+    with opt:
+        for step in range(4):
+            _, threshold = reference_step(ref, ref_opt, step, clip_schedule(step))
+            offload_step(model, opt, step, threshold)
+            assert_models_close(model, ref, f"step {step}", exact=False)
+        snapshots = {id(t) for rt in opt._engine.runtimes if rt.bufs._snapshot for t in rt.bufs._snapshot}
+        taken = sum(id(dst) in snapshots for dst, _ in copies)
+        restored = sum(id(src) in snapshots for _, src in copies)
+        assert opt.counters.speculative_steps > 0 and opt.counters.rollbacks > 0
+        assert taken > 0 and taken % 3 == 0  # master, exp_avg, exp_avg_sq per speculative step
+        assert restored > 0 and restored % 3 == 0
+
+
 def test_zero_grad_before_step_discards_the_gradients_as_torch_does():
     model, opt = make({"speculation": "on", "rollback": "snapshot"})
     ref = mlp()

@@ -61,19 +61,21 @@ class BucketBuffers:
         """Forget the snapshot (re-planning: the buffers go)."""
         self._snapshot = None
 
-    def take_snapshot(self) -> None:
+    def take_snapshot(self, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """`copy(dst, src)`: the host Adam's `grad_copy_` (fp32 -> fp32 on the kernel's pool: the
+        worker runs this during backward, where torch's OpenMP team would compete with it)."""
         if self._snapshot is None:  # plain host memory: snapshots never cross the link
             self._snapshot = tuple(self._alloc("snapshot", torch.float32, False) for _ in STATE_KEYS)
         for saved, live in zip(self._snapshot, self._state()):
-            saved.copy_(live)
+            copy(saved, live)
 
-    def restore_snapshot(self) -> None:
+    def restore_snapshot(self, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         if self._snapshot is None:
             raise RuntimeError("restore_snapshot() without take_snapshot(): the engine lost track of a speculative step.")
         for saved, live in zip(self._snapshot, self._state()):
-            live.copy_(saved)
+            copy(live, saved)
         if self.lowp is not None:
-            self.lowp.copy_(self.master)
+            self.lowp.copy_(self.master)  # the one cast left to torch (no kernel entry casts down)
 
     def _state(self) -> tuple[torch.Tensor, ...]:
         return (self.master, self.exp_avg, self.exp_avg_sq)

@@ -86,7 +86,7 @@ class HostJobs:
         self.transfer.wait_host_before_write(rt.h2d_event)  # the last copy-back still reads master/lowp
         start = time.perf_counter()
         if snapshot:
-            rt.bufs.take_snapshot()
+            rt.bufs.take_snapshot(self.adam.grad_copy_)
         stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
         self._host(rt, "speculative step" if speculative else "step", start, speculative=speculative)
         if not (speculative and self.gather is not None):
@@ -97,7 +97,7 @@ class HostJobs:
         self.transfer.wait_host_before_write(rt.h2d_event)
         start = time.perf_counter()
         if self.snapshot:
-            rt.bufs.restore_snapshot()
+            rt.bufs.restore_snapshot(self.adam.grad_copy_)
         else:
             stepper.apply(self.adam.adam_rollback_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
         if redo is not None:
