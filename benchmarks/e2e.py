@@ -39,6 +39,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -159,7 +160,25 @@ def ours(args, model, clip, speculation):
         opt.zero_grad()
         return loss
 
-    return step, lambda: opt.counters.device_wait_seconds, opt.close
+    counters = opt.counters
+    return step, lambda: counters.device_wait_seconds, _Closer(opt)
+
+
+class _Closer:
+    """Our optimizer's close(); then, once the mode's objects are dropped, what it left behind:
+    the next contender must not run beside this one's arenas (no gc.collect(): dropping is enough)."""
+
+    def __init__(self, opt):
+        self._opt, self._ledger, self._optimizer_ref = opt, opt.ledger, weakref.ref(opt)
+
+    def __call__(self) -> None:
+        opt, self._opt = self._opt, None
+        opt.close()
+
+    def left_behind(self) -> str:
+        if self._optimizer_ref() is not None:
+            return "the optimizer is still alive"
+        return f"{self._ledger.bytes()} bytes of buffers still held" if self._ledger.bytes() else ""
 
 
 def torch_on_device(args, model, clip):
@@ -298,7 +317,7 @@ def sync(args) -> None:
 
 def run(args, name: str, clip: Optional[float], params: int) -> Row:
     row = Row(name, clip)
-    model = step = close = None
+    model = step = close = idle_seconds = None
     try:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -333,7 +352,10 @@ def run(args, name: str, clip: Optional[float], params: int) -> Row:
     finally:
         if close is not None:
             close()
-        del model, step
+        left_behind = getattr(close, "left_behind", None)
+        del model, step, close, idle_seconds
+        if left_behind is not None and left_behind():
+            row.status, row.reason = "failed", f"after close() and del: {left_behind()}"
     return row
 
 

@@ -29,6 +29,7 @@ import math
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -141,7 +142,11 @@ def run_mode(args, speculation: str, max_grad_norm: float) -> dict:
             "device_buckets": opt.plan.num_device_buckets,
             "summary": opt.summary(),
         }
+    ledger, optimizer_ref = opt.ledger, weakref.ref(opt)
     del opt, model
+    # the next mode must not run beside this one's arenas (no gc.collect(): dropping is enough)
+    result["left_behind"] = ("the optimizer is still alive" if optimizer_ref() is not None
+                             else f"{ledger.bytes()} bytes of buffers still held" if ledger.bytes() else "")
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return result
@@ -155,6 +160,9 @@ def check(results: list[dict], rtol: float) -> list[str]:
         unclipped = any(n <= r["max_grad_norm"] for n in r["grad_norms"][1:])
         if r["speculation"] == "on" and unclipped and r["counters"]["speculative_steps"] == 0:
             problems.append("speculation on: steps below --max-grad-norm, yet no step was speculative")
+    for r in results:
+        if r["left_behind"]:
+            problems.append(f"speculation {r['speculation']}: after close() and del, {r['left_behind']}")
     for threshold in sorted({r["max_grad_norm"] for r in results}):
         problems += _same_losses([r for r in results if r["max_grad_norm"] == threshold], rtol)
     return problems

@@ -146,6 +146,12 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         return self._engine.plan
 
     @property
+    def ledger(self):
+        """The buffers this optimizer holds now, per kind and place (`ledger.bytes(place, kind)`);
+        0 once it is closed or dropped (keep the ledger to check that, e.g. between runs)."""
+        return self._engine.buckets.ledger
+
+    @property
     def host_adam(self):
         """The host Adam back end in use: `.name` ("cpp" or "reference"), `.isa`, `.threads`."""
         return self._engine.adam

@@ -188,12 +188,17 @@ def keep_model_unwrapped(accelerator: Accelerator) -> None:
     torch.compile; no DDP wrap). The one place this integration changes Accelerate's behaviour."""
     if getattr(accelerator, "_superoffload_keeps_model_unwrapped", False):
         return
-    # the class's method and a weak reference: the accelerator's own bound method stored on it
-    # would be a reference cycle, keeping a dropped accelerator's optimizer alive until gc runs
-    prepare_model, accelerator_ref = type(accelerator).prepare_model, weakref.ref(accelerator)
+    prepare_model = vars(accelerator).get("prepare_model")  # already replaced on the instance: wrap that
+    if prepare_model is None:
+        # the class's method through a weak reference: the accelerator's own bound method stored
+        # on it would be a reference cycle, keeping a dropped accelerator's optimizer alive until gc
+        unbound, accelerator_ref = type(accelerator).prepare_model, weakref.ref(accelerator)
+
+        def prepare_model(*args, **kwargs):
+            return unbound(accelerator_ref(), *args, **kwargs)
 
     def prepare_model_without_ddp(model, device_placement=None, evaluation_mode=False):
-        return prepare_model(accelerator_ref(), model, device_placement=device_placement, evaluation_mode=True)
+        return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     accelerator.prepare_model = prepare_model_without_ddp
     accelerator._superoffload_keeps_model_unwrapped = True
