@@ -226,10 +226,10 @@ class Engine:
     # ---- layout ---------------------------------------------------------------------------
 
     def replan(self, plan) -> None:
-        """Move every parameter's state into the buffers of a new plan (between steps)."""
+        """Move every parameter's state into the buffers of a new plan (between steps). The
+        caller has synchronized (both do: _learn, and load_state_dict before adopt_learned)."""
         if plan == self.plan:
             return
-        self.synchronize()
         self.buckets.replan(plan)
         self._reserve_staging()
 
@@ -293,8 +293,8 @@ class Engine:
         self.buckets.param_steps[index] = int(step)
 
     def refresh_device_params(self) -> None:
-        """Copy every master weight to its device parameter (after loading state)."""
-        self.synchronize()
+        """Copy every master weight to its device parameter (after loading state: the loader
+        synchronized before it wrote the host buffers, and queued nothing since)."""
         if self.dp is not None:
             return self.dp.refresh_device_params()
         self.buckets.refresh_device_params()
