@@ -349,6 +349,27 @@ def test_snapshot_rollback_copies_through_the_host_adams_pool_and_restores_exact
         assert restored > 0 and restored % 3 == 0
 
 
+def test_snapshot_rollback_restores_the_host_cast_lowp_with_the_host_adams_cast():
+    """cast "host" keeps a bf16 copy of each host bucket's master: the restore recasts it with the
+    host Adam's lowp_copy_ (its pool, the step's rounding), and it equals the master's rounding."""
+    model, opt = make({"speculation": "on", "rollback": "snapshot", "device_dtype": "bf16", "cast": "host"})
+    adam, casts = opt._engine.adam, []
+    kernel_cast = adam.lowp_copy_
+    adam.lowp_copy_ = lambda dst, src: casts.append(dst) or kernel_cast(dst, src)
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    with opt:
+        for step in range(4):  # step 3: clipped at 0.9 of the norm, after most buckets speculated
+            _, threshold = reference_step(ref, ref_opt, step, clip_schedule(step))
+            offload_step(model, opt, step, threshold)
+        opt.synchronize()
+        assert opt.counters.rollbacks > 0 and casts
+        host = [rt for rt in opt._engine.buckets.host() if rt.bufs.lowp is not None]
+        assert host and any(dst is rt.bufs.lowp for rt in host for dst in casts)  # a rolled-back bucket's
+        for rt in host:
+            assert torch.equal(rt.bufs.lowp.view(torch.int16), rt.bufs.master.to(torch.bfloat16).view(torch.int16))
+
+
 def test_zero_grad_before_step_discards_the_gradients_as_torch_does():
     model, opt = make({"speculation": "on", "rollback": "snapshot"})
     ref = mlp()

@@ -219,7 +219,7 @@ def test_reference_back_end_gives_the_kernels_bits(cpp_adam, op, src_dtype):
 
 
 def test_both_back_ends_expose_the_same_methods():
-    for method in ("adam_step_", "adam_rollback_", "sum_squares", "grad_copy_", "grad_accumulate_",
+    for method in ("adam_step_", "adam_rollback_", "sum_squares", "grad_copy_", "grad_accumulate_", "lowp_copy_",
                    "set_num_threads", "describe"):
         assert callable(getattr(kernel.CppHostAdam, method)) and callable(getattr(kernel.ReferenceHostAdam, method))
 
@@ -256,3 +256,60 @@ def test_reference_step_takes_an_fp16_gradient(cpp_adam):
     for got, want in zip(ref, up):
         assert torch.equal(got, want)
     assert kernel.ReferenceHostAdam(threads=1).sum_squares(g) == float(torch.dot(g.double(), g.double()))
+
+
+# ---- lowp_copy_: the fp32 -> bf16 / fp16 cast (the snapshot rollback's lowp restore) ------------
+
+LOWP_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def torch_lowp_nan_latitude(src: torch.Tensor, dtype) -> torch.Tensor:
+    """torch's NaN bits on the way down are not a specification (its scalar and vector paths
+    differ); the kernel's store_lowp, the rounding the step's param_lowp gets, is: a NaN only
+    has to meet a NaN here, and the step comparison below checks the bits."""
+    return src.isnan()
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", LOWP_DTYPES)
+def test_lowp_copy_rounds_like_torch_bitwise(cpp_adam, dtype, n):
+    src = random_src(n, torch.float32, seed=n)
+    want = src.to(dtype)
+    got = torch.full((n,), 7.0, dtype=dtype)
+    cpp_adam("scalar", threads=2 if n > GRAIN else 1).lowp_copy_(got, src)
+    assert_same_bits(got, want, f"lowp_copy_ {dtype} n={n}", torch_lowp_nan_latitude(src, dtype))
+    ref = torch.full((n,), 7.0, dtype=dtype)
+    kernel.ReferenceHostAdam(threads=1).lowp_copy_(ref, src)
+    assert_same_bits(got, ref, f"lowp_copy_ {dtype} n={n} vs the reference", torch_lowp_nan_latitude(src, dtype))
+
+
+@pytest.mark.parametrize("dtype", LOWP_DTYPES)
+def test_lowp_copy_matches_the_steps_param_lowp_bitwise(cpp_adam, dtype):
+    """The cast is the step's own rounding: a zero-learning-rate step's param_lowp of `p`."""
+    n = 2 * GRAIN + 77
+    p = random_src(n, torch.float32, seed=3)
+    p = torch.where(p.isnan(), torch.zeros_like(p), p)
+    m, v, g = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    from_step = torch.empty(n, dtype=dtype)
+    cpp_adam("scalar").adam_step_(p, m, v, g, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                                  adamw=True, param_lowp=from_step)
+    got = torch.empty(n, dtype=dtype)
+    cpp_adam("scalar").lowp_copy_(got, p)
+    assert_same_bits(got, from_step, f"lowp_copy_ {dtype} vs the step's param_lowp")
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("case", ["fp32 dst", "bf16 src", "length", "strided"])
+def test_lowp_copy_bad_input_raises_naming_the_value(cpp_adam, backend, case):
+    adam = backends(cpp_adam)[backend]
+    dst, src = torch.zeros(N, dtype=torch.bfloat16), torch.arange(N, dtype=torch.float32)
+    if case == "fp32 dst":
+        dst, error, match = torch.zeros(N), TypeError, "`dst` must be bfloat16 or float16"
+    elif case == "bf16 src":
+        src, error, match = src.to(torch.bfloat16), TypeError, "`src` must be float32"
+    elif case == "length":
+        dst, error, match = torch.zeros(N - 1, dtype=torch.bfloat16), ValueError, f"`dst` has {N - 1} elements"
+    else:
+        src, error, match = torch.arange(2 * N, dtype=torch.float32)[::2], ValueError, "contiguous"
+    with pytest.raises(error, match=match):
+        adam.lowp_copy_(dst, src)

@@ -393,6 +393,26 @@ void grad_accumulate_(const at::Tensor& dst, const at::Tensor& src, int64_t isa)
   run_grad_op(&grace_adam::grad_accumulate, dst, src, isa);
 }
 
+// dst (bf16/fp16) = round(src (fp32)), the rounding the step's param_lowp gets; flat, contiguous.
+void lowp_copy_(const at::Tensor& dst, const at::Tensor& src) {
+  const auto st = dst.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kBFloat16 || st == at::kHalf, "`dst` must be bfloat16 or float16, got ", describe(dst),
+                   ". It receives the rounded copy of the fp32 `src`.");
+  TORCH_CHECK_TYPE(src.scalar_type() == at::kFloat, "`src` must be float32, got ", describe(src), ".");
+  TORCH_CHECK_VALUE(dst.numel() == src.numel(), "`dst` has ", dst.numel(), " elements, `src` has ", src.numel(),
+                    "; they must have the same number of elements.");
+  check_buffer(src, "src", src.numel());
+  check_buffer(dst, "dst", src.numel());
+  TORCH_CHECK_VALUE(!overlaps(dst, src), "`dst` and `src` share memory; cast into a separate buffer.");
+  const LowpDtype ld = st == at::kBFloat16 ? LowpDtype::BF16 : LowpDtype::F16;
+  void* out = dst.data_ptr();
+  const float* in = src.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  pool().parallel_for(src.numel(), kGradGrain, [&](int64_t begin, int64_t end) {
+    lowp_copy(static_cast<uint16_t*>(out) + begin, ld, in + begin, end - begin);
+  });
+}
+
 void set_num_threads(int64_t threads) {
   TORCH_CHECK_VALUE(threads >= 1 && threads <= 4096, "`threads` is ", threads, "; expected an integer in [1, 4096].");
   g_pool_size.store(static_cast<int>(threads));
@@ -436,6 +456,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              py::arg("src"), py::arg("isa"));
   module.def("grad_accumulate_", &grad_accumulate_, "dst += float(src) (one fp32 add; src fp32, bf16 or fp16).",
              py::arg("dst"), py::arg("src"), py::arg("isa"));
+  module.def("lowp_copy_", &lowp_copy_, "dst (bf16/fp16) = src (fp32) rounded to nearest even, in place.",
+             py::arg("dst"), py::arg("src"));
   module.def("set_num_threads", &set_num_threads, "Resize this process's kernel thread pool.", py::arg("threads"));
   module.def("get_num_threads", &get_num_threads, "Size of this process's kernel thread pool.");
   module.def("best_isa", [] { return static_cast<int64_t>(best_isa()); });

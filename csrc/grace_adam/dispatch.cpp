@@ -148,4 +148,8 @@ void grad_accumulate(Isa isa, float* dst, const void* src, GradDtype sd, int64_t
 
 #undef GRACE_ADAM_CASES
 
+void lowp_copy(void* dst, LowpDtype ld, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) store_lowp(dst, ld, i, src[i]);
+}
+
 }  // namespace grace_adam

@@ -207,6 +207,9 @@ void rollback(Isa isa, float* p, float* m, float* v, const void* g, GradDtype gd
 double sum_squares(Isa isa, const void* g, GradDtype gd, int64_t n);
 void grad_copy(Isa isa, float* dst, const void* src, GradDtype sd, int64_t n);
 void grad_accumulate(Isa isa, float* dst, const void* src, GradDtype sd, int64_t n);
+// dst[i] = the bf16 / fp16 rounding of src[i] (nearest even, store_lowp: the step's param_lowp),
+// for i in [0, n); one portable loop for every ISA (a memory-bound cast the compiler vectorizes).
+void lowp_copy(void* dst, LowpDtype ld, const float* src, int64_t n);
 
 // sum_squares is computed in fixed blocks of this many elements, each summed in float64 and
 // the block sums added in order, so the result does not depend on how blocks are spread over

@@ -69,13 +69,15 @@ class BucketBuffers:
         for saved, live in zip(self._snapshot, self._state()):
             copy(saved, live)
 
-    def restore_snapshot(self, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    def restore_snapshot(self, copy: Callable[[torch.Tensor, torch.Tensor], None],
+                         cast: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """`copy` as for take_snapshot; `cast(lowp, master)`: the host Adam's `lowp_copy_`."""
         if self._snapshot is None:
             raise RuntimeError("restore_snapshot() without take_snapshot(): the engine lost track of a speculative step.")
         for saved, live in zip(self._snapshot, self._state()):
             copy(live, saved)
         if self.lowp is not None:
-            self.lowp.copy_(self.master)  # the one cast left to torch (no kernel entry casts down)
+            cast(self.lowp, self.master)
 
     def _state(self) -> tuple[torch.Tensor, ...]:
         return (self.master, self.exp_avg, self.exp_avg_sq)

@@ -97,7 +97,7 @@ class HostJobs:
         self.transfer.wait_host_before_write(rt.h2d_event)
         start = time.perf_counter()
         if self.snapshot:
-            rt.bufs.restore_snapshot(self.adam.grad_copy_)
+            rt.bufs.restore_snapshot(self.adam.grad_copy_, self.adam.lowp_copy_)
         else:
             stepper.apply(self.adam.adam_rollback_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
         if redo is not None:

@@ -131,6 +131,9 @@ class ReferenceHostAdam:
     def grad_accumulate_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         reference.grad_accumulate_(dst, src)
 
+    def lowp_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        reference.lowp_copy_(dst, src)
+
     def set_num_threads(self, n: int) -> None:
         self.threads = _check_threads(n)
 
@@ -185,6 +188,10 @@ class CppHostAdam:
     def grad_accumulate_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst += float(src), one fp32 add per element, on the kernel's threads."""
         self._ext.grad_accumulate_(dst, src, self._isa_code)
+
+    def lowp_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst (bf16/fp16) = src (fp32) rounded to nearest even, on the kernel's threads."""
+        self._ext.lowp_copy_(dst, src)
 
     def set_num_threads(self, n: int) -> None:
         self._ext.set_num_threads(_check_threads(n))

@@ -266,6 +266,21 @@ def grad_copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.view(-1).copy_(src.view(-1))
 
 
+def lowp_copy_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst (bf16/fp16) = src (fp32) rounded to nearest even, in place: the rounding of the
+    step's `param_lowp`. Flat, contiguous, same element count."""
+    if dst.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"`dst` must be bfloat16 or float16, got {dst.dtype}. It receives the rounded copy of the fp32 `src`.")
+    if src.dtype != torch.float32:
+        raise TypeError(f"`src` must be float32, got {src.dtype}.")
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"`{name}` must be a flat contiguous 1-D tensor, got shape {tuple(t.shape)}, strides {t.stride()}.")
+    if dst.numel() != src.numel():
+        raise ValueError(f"`dst` has {dst.numel()} elements, `src` has {src.numel()}; all buffers must have the same length.")
+    dst.copy_(src)
+
+
 def grad_accumulate_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst = dst + float(src), one fp32 addition per element, in place."""
     _check_grad_pair(dst, src)
