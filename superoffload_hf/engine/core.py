@@ -63,6 +63,11 @@ def weak_method(method: Callable) -> Callable:
     return lambda *args: ref()(*args)
 
 
+def _live_input(name: str) -> property:
+    """An engine attribute that is the LiveInputs field `name` (read and written through)."""
+    return property(lambda engine: getattr(engine.live, name), lambda engine, value: setattr(engine.live, name, value))
+
+
 def auto_host_threads(cores: int, device_is_host: bool = False) -> int:
     """Every core this process may run on but one, which the training thread (the autograd engine
     feeding the device) needs; at least one. On the CPU device every core: host jobs run inline,
@@ -151,11 +156,9 @@ class Engine:
         logger.info(self.summary())
 
     # the values the parts read at use (LiveInputs), set by the optimizer and by _learn
-    max_grad_norm = property(lambda self: self.live.max_grad_norm,
-                             lambda self, value: setattr(self.live, "max_grad_norm", value))
-    sync_source = property(lambda self: self.live.sync_source,
-                           lambda self, value: setattr(self.live, "sync_source", value))
-    fire_log = property(lambda self: self.live.fire_log, lambda self, value: setattr(self.live, "fire_log", value))
+    max_grad_norm = _live_input("max_grad_norm")
+    sync_source = _live_input("sync_source")
+    fire_log = _live_input("fire_log")
 
     @property
     def plan(self):
