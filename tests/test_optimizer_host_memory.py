@@ -73,10 +73,12 @@ def test_state_dict_views_the_live_host_buffers_and_saves_each_once(device_mode)
     try:
         train(model, opt, 2, 64)
         sd = opt.state_dict()
-        arenas = {kind: a.segments[0].untyped_storage().data_ptr() for kind, a in opt._engine.buckets.arenas.items()}
+        # (a page-locked arena is power-of-two segments where the runtime rounds: the simulated device)
+        arenas = {kind: {s.untyped_storage().data_ptr() for s in a.segments}
+                  for kind, a in opt._engine.buckets.arenas.items()}
         for entry in sd["state"].values():
-            assert entry["exp_avg"].untyped_storage().data_ptr() == arenas["exp_avg"]
-            assert entry["master_param"].untyped_storage().data_ptr() == arenas["master"]
+            assert entry["exp_avg"].untyped_storage().data_ptr() in arenas["exp_avg"]
+            assert entry["master_param"].untyped_storage().data_ptr() in arenas["master"]
         with tempfile.TemporaryFile() as f:
             torch.save(sd, f)
             size = f.tell()
@@ -133,10 +135,12 @@ def test_host_buffers_are_one_arena_per_kind_and_moments_are_not_pinned(monkeypa
         assert len(host) >= 3
         for kind in ("master", "exp_avg", "exp_avg_sq", "grad"):
             storages = {getattr(rt.bufs, kind).untyped_storage().data_ptr() for rt in host}
-            assert len(storages) == 1, f"{kind}: {len(storages)} allocations for {len(host)} buckets"
-            pinned = buckets.arenas[kind].segments[0].untyped_storage().data_ptr() in {
-                r.key for r in sim._pinned.values()}
-            assert pinned == (kind in ("master", "grad")), f"{kind} pinned={pinned}"
+            segments = {s.untyped_storage().data_ptr() for s in buckets.arenas[kind].segments}
+            assert storages <= segments, f"{kind}: bucket buffers outside the kind's arena"
+            # one allocation, or power-of-two segments where the simulated allocator rounds (pinned)
+            assert len(segments) == 1 or kind in ("master", "grad"), f"{kind}: {len(segments)} segments"
+            pinned = {s in {r.key for r in sim._pinned.values()} for s in segments}
+            assert pinned == {kind in ("master", "grad")}, f"{kind} pinned={pinned}"
         assert sim.errors == []
     finally:
         opt.close()

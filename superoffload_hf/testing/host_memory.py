@@ -96,6 +96,12 @@ class SimHostMemory:
         with self._lock:
             self.pageable_live -= nbytes
 
+    def reset_high_water(self) -> None:
+        """Start the high-water mark again from what is held now (as torch's
+        reset_peak_host_memory_stats)."""
+        with self._lock:
+            self.pinned_high_water = self.pinned_reserved
+
     def empty_cache(self) -> int:
         """Return every cached pinned block to the system; the bytes returned."""
         with self._lock:
