@@ -109,6 +109,7 @@ class BucketSet:
         # The gradient staging and landing arenas hold nothing between steps: freed before any new
         # arena is allocated, so the peak is the state at rest plus one kind's new arena.
         for kind in SCRATCH_KINDS:
+            self.arenas.pop(kind, None)
             self._free_old(kind, old_bufs)
         for kind in self._kinds():
             if kind not in SCRATCH_KINDS:
@@ -129,9 +130,10 @@ class BucketSet:
             if kind not in SCRATCH_KINDS:
                 self._free_old(kind, old_bufs)
         self._set_runtimes(plan, bufs)
+        del old, old_bufs
+        self.runtime.host_empty_cache()  # what the old buckets' runtimes still held
 
     def _free_old(self, kind: str, old_bufs: list[BucketBuffers]) -> None:
-        self.arenas.pop(kind, None)
         for bb in old_bufs:
             setattr(bb, kind, None)  # the last views of the old buffers of this kind: freed now
         # torch's host allocator caches freed page-locked blocks forever: give them back now, or

@@ -188,9 +188,7 @@ class Collector:
         """Copy the current round to the host; queue its accumulation (and launch)."""
         first = not rt.staged
         # a round kept in the link dtype, re-opened: upcast it (nothing crosses for aliased buckets)
-        # (grad_in is set by the worker's receive job, which may not have run yet: hold_in_fp32
-        # checks it there, after that job)
-        if not first and not rt.params_alias_master:
+        if not first and not rt.params_alias_master and rt.grad_in is not rt.bufs.grad:
             self.worker.submit(functools.partial(self.jobs.hold_in_fp32, rt), rt.pending)  # before
         self.waiter.wait_idle(rt)  # the next round lands there; the worker may still read grad / recv
         if rt.params_alias_master:  # the hooks wrote bufs.grad, or kept autograd's gradients
