@@ -83,9 +83,11 @@ class SuperOffloadConfig:
 
     pin_memory: Union[bool, str] = AUTO
     """Page-lock the host buffers so copies are asynchronous. "auto": when the device is CUDA.
-    Forked data-loader workers (`num_workers > 0` with the "fork" start method) share the host
-    arenas copy-on-write and do not copy them: a child copies a page only when it writes it, and
-    touching a tensor object (its refcount) writes the Python object, not its storage."""
+    Forked data-loader workers (`num_workers > 0`, "fork" start method) do not double the host
+    arenas: they share them copy-on-write, and a child copies a page only when it writes it;
+    touching a tensor object (its refcount) writes the Python object, not its storage (measured:
+    a child that sums a 200 MB tensor and touches 100 views of it adds 0 MB private memory;
+    one that writes it, 191 MB). Page-locked arenas were not measured (no GPU here)."""
 
     host_memory_check: bool = True
     """Before allocating the host buffers (and before a re-plan), compare what the plan needs,
