@@ -307,3 +307,30 @@ def test_ledger_counts_the_time_spent_pinning(sim):
     ledger = Ledger()
     ledger.allocate(sim, "master", "pinned", 1024, torch.float32)
     assert ledger.pin_seconds > 0
+
+
+def test_a_second_gradient_round_lands_in_a_buffer_allocated_before_backward(sim, monkeypatch):
+    """An fp32 link with one micro-batch has no landing arena: a second backward before step()
+    lands each re-opened bucket's round in the one spare of the largest bucket, allocated with
+    the arenas, instead of page-locking a buffer on the autograd thread in mid-backward."""
+    model = mlp(depth=6).float()
+    opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config={**SIM_CONFIG, "device_dtype": "fp32"})
+    try:
+        assert opt._engine.buckets.spare_landing is not None
+        in_backward, pinned_in_backward = [False], []
+        host_empty = sim.host_empty
+        monkeypatch.setattr(sim, "host_empty", lambda numel, dtype, pinned=False: (
+            pinned_in_backward.append(numel) if pinned and in_backward[0] else None,
+            host_empty(numel, dtype, pinned))[1])
+        generator = torch.Generator().manual_seed(0)
+        for step in range(3):
+            for _ in range(2):
+                loss = model(torch.randn(4, 128, generator=generator)).pow(2).mean()
+                in_backward[0] = True
+                loss.backward()
+                in_backward[0] = False
+            opt.step()
+            opt.zero_grad()
+        assert pinned_in_backward == []
+    finally:
+        opt.close()

@@ -24,7 +24,7 @@ import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime
-from superoffload_hf.engine.memory import STATE_KINDS, BufferPolicy, HostArena, Ledger
+from superoffload_hf.engine.memory import STATE_KINDS, BufferPolicy, HostArena, Ledger, spare_landing_numel
 from superoffload_hf.engine.plan import BucketPlan, ParamSlot
 
 logger = logging.getLogger("superoffload_hf")
@@ -49,6 +49,8 @@ class BucketSet:
         # (never for sharded masters: a rank's master holds only its shard of each bucket)
         self.aliases_masters = policy.params_alias_masters and shard_of is None
         self._aliases: list[tuple[int, int]] = []  # (param index, data_ptr) of aliased parameters
+        self.spare_landing = None  # see _reserve_spare_landing
+        self._spare_owner = None  # the bucket whose round last landed in it
 
     def install(self, plan: BucketPlan) -> None:
         """Buffers for `plan`, masters from the parameters as given (an fp32 model keeps full
@@ -69,6 +71,7 @@ class BucketSet:
                 else:
                     flat.zero_()
         self._set_runtimes(plan, bufs)
+        self._reserve_spare_landing(plan)
         self._log_pinning(self.ledger.pin_seconds - pin_seconds)
 
     def _log_pinning(self, seconds: float) -> None:
@@ -108,6 +111,7 @@ class BucketSet:
         bufs = self._new_buffers(plan)
         # The gradient staging and landing arenas hold nothing between steps: freed before any new
         # arena is allocated, so the peak is the state at rest plus one kind's new arena.
+        self.spare_landing, self._spare_owner = None, None  # scratch too
         for kind in SCRATCH_KINDS:
             self.arenas.pop(kind, None)
             self._free_old(kind, old_bufs)
@@ -132,6 +136,31 @@ class BucketSet:
         self._set_runtimes(plan, bufs)
         del old, old_bufs
         self.runtime.host_empty_cache()  # what the old buckets' runtimes still held
+        self._reserve_spare_landing(plan)
+
+    def _reserve_spare_landing(self, plan: BucketPlan) -> None:
+        """Where the policy has no landing arena (an fp32 link, one micro-batch) only a second
+        gradient round of a step needs one (a tied or reused parameter, a second backward): one
+        buffer of the largest host bucket, allocated here, not page-locked by the autograd thread
+        in the middle of backward (memory.spare_landing_numel)."""
+        numel = spare_landing_numel(plan, self.policy) if self.shard_of is None else 0
+        self.spare_landing, self._spare_owner = None, None
+        if numel:
+            dtype, pinned = self.policy.link_dtype, self.policy.pin
+            self.spare_landing = HostArena("grad landing (spare)", [numel], dtype, pinned, self.policy.rounds_pinned,
+                                           self.runtime, self.ledger).view(0)
+
+    def landing(self, rt: BucketRuntime, dtype: torch.dtype, wait_idle) -> torch.Tensor:
+        """Training thread: the host buffer a gradient round that is added to `grad` lands in:
+        the bucket's own (its "recv" arena view), or the shared spare. `wait_idle(rt)` waits for
+        a bucket's queued jobs: the spare changes hands only after the last one's read it."""
+        spare = self.spare_landing
+        if rt.bufs.recv is not None or spare is None or spare.dtype != dtype:
+            return rt.bufs.recv_buffer(dtype)
+        if self._spare_owner is not None and self._spare_owner is not rt:
+            wait_idle(self._spare_owner)  # its accumulate job reads the spare
+        self._spare_owner = rt
+        return spare[:rt.bufs.numel]
 
     def _free_old(self, kind: str, old_bufs: list[BucketBuffers]) -> None:
         for bb in old_bufs:

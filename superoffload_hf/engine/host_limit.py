@@ -85,7 +85,7 @@ def host_memory_left(runtime) -> Optional[tuple[int, str]]:
     return min(candidates, key=lambda c: c[0]) if candidates else None
 
 
-SCRATCH_ROWS = ("grad staging", "grad landing")  # footprint rows of buckets.SCRATCH_KINDS
+SCRATCH_ROWS = ("grad staging", "grad landing", "grad landing (spare)")  # footprint rows of buckets.SCRATCH_KINDS
 CALLERS_ROWS = ("device params",)  # allocated by the caller before the optimizer exists
 
 

@@ -229,6 +229,15 @@ class FootprintRow:
     transient: bool = False
 
 
+def spare_landing_numel(plan: BucketPlan, policy: BufferPolicy) -> int:
+    """Elements of the one spare landing buffer (engine/buckets.py) where the policy has no landing
+    arena and a second gradient round would land through the link: the largest host bucket; 0
+    where none is needed (landing arenas, aliased masters, data parallelism: engine/dp.py)."""
+    if policy.landing or policy.params_alias_masters or policy.shard_world is not None:
+        return 0
+    return max((b.numel for b in plan.buckets if not b.device_resident), default=0)
+
+
 def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
     """What the engine allocates for `plan` under `policy`, row by row (the allocation's own
     arithmetic: `arena_layout`, the buffer kinds of `policy`, and `policy.host_numel`: the
@@ -246,6 +255,11 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
         segments, _ = arena_layout(host, policy.rounds_pinned and pinned)
         rows.append(FootprintRow({"grad": "grad staging", "recv": "grad landing"}.get(kind, kind),
                                  "pinned" if pinned else "host", sum(segments) * _size(dtype)))
+    spare = spare_landing_numel(plan, policy)
+    if spare:
+        segments, _ = arena_layout([spare], policy.rounds_pinned and policy.pin)
+        rows.append(FootprintRow("grad landing (spare)", "pinned" if policy.pin else "host",
+                                 sum(segments) * _size(policy.link_dtype)))
     if policy.snapshot:
         rows.append(FootprintRow("snapshot", "host", sum(host) * 3 * 4))
     largest_host = max(host, default=0)
