@@ -334,3 +334,27 @@ def test_a_second_gradient_round_lands_in_a_buffer_allocated_before_backward(sim
         assert pinned_in_backward == []
     finally:
         opt.close()
+
+
+def test_a_replan_that_does_not_fit_is_refused_before_it_moves_anything(sim):
+    model = mlp(depth=6)
+    opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config={**SIM_CONFIG, "cast": "host"})
+    try:
+        train(model, opt, 1)
+        engine = opt._engine
+        plan = engine.layout.plan(0, ready_order=list(range(len(engine.params))))  # forward order
+        assert plan != engine.plan
+        transient = replan_transient(engine.footprint())
+        assert transient > 0  # fp32 master, moments: each larger than the bf16 landing arena freed first
+        sim.host_budget_left()
+        sim.host_memory.budget_bytes = sim.host_memory.held + transient // 2
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        arenas = dict(engine.buckets.arenas)
+        with pytest.raises(HostMemoryError, match="re-planning the buckets need .* less .* GB already held"):
+            engine.replan(plan)
+        assert engine.buckets.arenas == arenas
+        sim.host_memory.budget_bytes = None
+        train(model, opt, 1)  # still trains on the old plan
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    finally:
+        opt.close()
