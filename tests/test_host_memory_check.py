@@ -358,3 +358,34 @@ def test_a_replan_that_does_not_fit_is_refused_before_it_moves_anything(sim):
         assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     finally:
         opt.close()
+
+
+def test_an_8b_shaped_plan_under_cast_host_needs_no_fp32_gradient_arena_and_half_a_kind_to_replan():
+    """Llama-3.1-8B's shapes (on the meta device), cast "host" as on a PCIe machine, one
+    micro-batch: the host holds master + moments (12 B/param, plain) and the low-precision copy and
+    landing buffer (4 B/param, page-locked), no fp32 gradient arena; the re-plan transient is one
+    fp32 kind less the landing arena it frees first (2 B/param)."""
+    from superoffload_hf.config import SuperOffloadConfig
+    from superoffload_hf.engine.host_limit import host_bytes
+    from superoffload_hf.engine.layout import estimate
+
+    hidden, inter, kv, vocab, layers = 4096, 14336, 1024, 128256, 32
+    shapes = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
+                   (inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
+    shapes += [(hidden,), (vocab, hidden)]
+    params = [torch.empty(s, device="meta", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+    n = sum(p.numel() for p in params)
+    assert 8.0e9 < n < 8.1e9
+    config = SuperOffloadConfig.coerce({"cast": "host", "device_buckets": 0})
+    _, rows = estimate(params, [{"params": params, "lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8,
+                                 "weight_decay": 0.0}], config, True, 1)
+    kinds = {r.what: r for r in rows}
+    assert "grad staging" not in kinds
+    plain = sum(r.nbytes for r in rows if r.place == "host")
+    pinned = sum(r.nbytes for r in rows if r.place == "pinned")
+    assert 12 * n <= plain <= 12 * n * 1.001, plain / n
+    assert 4 * n <= pinned <= 4 * n * 1.05, pinned / n  # power-of-two segments: a little rounding
+    assert 2 * n * 0.95 <= replan_transient(rows) <= 2 * n * 1.05, replan_transient(rows) / n
+    assert host_bytes(rows, False) == plain + pinned
