@@ -293,6 +293,16 @@ def dry_run_memory(capsys, *args: str) -> tuple[str, dict[str, tuple[str, float,
     return memory, {m[1]: (m[2], float(m[3]), float(m[4])) for m in TABLE_ROW.finditer(memory)}
 
 
+def test_dry_run_prints_what_the_host_memory_check_compares(capsys):
+    memory, rows = dry_run_memory(capsys)
+    line = next(x for x in memory.splitlines() if x.startswith("  host memory checked before allocating "))
+    need = float(line.split("allocating ")[1].split(" GB")[0])
+    buffers = {what: gb for what, (place, gb, _) in rows.items()
+               if place in ("pinned", "host") and not what.startswith("total")}
+    assert sum(buffers.values()) - 0.002 <= need <= sum(buffers.values()) + max(buffers.values()) + 0.002, line
+    assert "this machine may use" in line and "fits" in line, line
+
+
 def test_dry_run_with_num_processes_prints_a_rank_with_a_shard_of_the_host_state_and_a_host(capsys):
     alone, single = dry_run_memory(capsys)
     memory, rank = dry_run_memory(capsys, "--num_processes", "4")

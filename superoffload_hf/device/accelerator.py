@@ -61,6 +61,15 @@ class AcceleratorRuntime:
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
+    def host_empty_cache(self) -> int:
+        """Return the page-locked blocks torch's host caching allocator keeps after they were freed
+        (it never does on its own). Returns 0: torch does not say how many bytes went."""
+        memory = getattr(torch.accelerator, "memory", None)
+        empty = getattr(memory, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:  # torch >= 2.9: torch.accelerator.memory; earlier CUDA builds: the private one
+            empty()
+        return 0
+
     def adopt(self, params) -> None:
         pass
 

@@ -29,6 +29,9 @@ class CpuRuntime:
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
+    def host_empty_cache(self) -> int:
+        return 0  # nothing is pinned, nothing cached
+
     def adopt(self, params) -> None:
         pass
 

@@ -19,6 +19,8 @@ A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
                                    are synchronous: a host buffer can be used as a device tensor
     host_empty(numel, dtype, pinned) -> Tensor      a host buffer (page-locked when pinned)
     device_empty(numel, dtype) -> Tensor            a device buffer, on the current stream
+    host_empty_cache() -> int      give the page-locked blocks the host allocator caches after a
+                                   free back to the system (bytes returned, 0 where unknown)
     adopt(params)                  the parameters the engine manages live on this device
     current_stream() -> Stream     this thread's current stream
     new_stream() -> Stream

@@ -4,8 +4,10 @@ checkpoints go through (`export_param`, `import_param`).
 
 Host buffers are one arena per kind (memory.py), device-resident buckets' buffers are device
 tensors of their own; every allocation goes through the Ledger, whose figures `footprint`
-predicts. Re-planning moves one kind at a time (allocate the new plan's buffers of that kind,
-copy, free the old), so the host never holds more than the state plus one kind's arena.
+predicts. Re-planning first frees the gradient staging and landing arenas (they hold nothing
+between steps), then moves one kind at a time (allocate the new plan's buffers of that kind,
+copy, free the old, return the freed page-locked blocks to the system), so the host never holds
+more than the state plus one kind's arena.
 
 When the device is this host's memory (the CPU runtime) and the device dtype is fp32, a host
 bucket's parameters are views into its fp32 master buffer (`alias_params`): a host step updates
@@ -15,16 +17,19 @@ micro-batch per step there is no gradient buffer either (BufferPolicy.grad_on_de
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime
-from superoffload_hf.engine.memory import STATE_KINDS, BufferPolicy, HostArena, Ledger
+from superoffload_hf.engine.memory import STATE_KINDS, BufferPolicy, HostArena, Ledger, spare_landing_numel
 from superoffload_hf.engine.plan import BucketPlan, ParamSlot
 
+logger = logging.getLogger("superoffload_hf")
 FP32 = torch.float32
+SCRATCH_KINDS = ("grad", "recv")  # host kinds that hold nothing between steps
 
 
 class BucketSet:
@@ -44,11 +49,14 @@ class BucketSet:
         # (never for sharded masters: a rank's master holds only its shard of each bucket)
         self.aliases_masters = policy.params_alias_masters and shard_of is None
         self._aliases: list[tuple[int, int]] = []  # (param index, data_ptr) of aliased parameters
+        self.spare_landing = None  # see _reserve_spare_landing
+        self._spare_owner = None  # the bucket whose round last landed in it
 
     def install(self, plan: BucketPlan) -> None:
         """Buffers for `plan`, masters from the parameters as given (an fp32 model keeps full
         precision), moments zero."""
         bufs = self._new_buffers(plan)
+        pin_seconds = self.ledger.pin_seconds
         for kind in self._kinds():
             self._allocate_kind(plan, bufs, kind)
             for b, bb in zip(plan.buckets, bufs):
@@ -63,6 +71,13 @@ class BucketSet:
                 else:
                     flat.zero_()
         self._set_runtimes(plan, bufs)
+        self._reserve_spare_landing(plan)
+        self._log_pinning(self.ledger.pin_seconds - pin_seconds)
+
+    def _log_pinning(self, seconds: float) -> None:
+        pinned = self.ledger.bytes("pinned")
+        if pinned:
+            logger.info("SuperOffload: page-locking %.3f GB of host buffers took %.2fs", pinned / 1e9, seconds)
 
     def _master_sources(self, b, flat: torch.Tensor):
         """(buffer view, parameter values) pairs that initialise a bucket's master."""
@@ -90,11 +105,19 @@ class BucketSet:
             raise NotImplementedError("Re-planning sharded state (data parallelism) is not supported.")
         old = {s.index: (rt.bufs, s) for rt in self.runtimes for s in rt.bucket.slots}
         old_bufs = [rt.bufs for rt in self.runtimes]
-        for bb in old_bufs:
-            bb.drop_transients()
+        for rt in self.runtimes:
+            rt.bufs.drop_transients()
+            rt.grad_in = None  # a view of the old grad / recv arena
         bufs = self._new_buffers(plan)
+        # The gradient staging and landing arenas hold nothing between steps: freed before any new
+        # arena is allocated, so the peak is the state at rest plus one kind's new arena.
+        self.spare_landing, self._spare_owner = None, None  # scratch too
+        for kind in SCRATCH_KINDS:
+            self.arenas.pop(kind, None)
+            self._free_old(kind, old_bufs)
         for kind in self._kinds():
-            self.arenas.pop(kind, None)  # the old arena goes with the old views below
+            if kind not in SCRATCH_KINDS:
+                self.arenas.pop(kind, None)  # the old arena goes with the old views below
             self._allocate_kind(plan, bufs, kind)
             for b, bb in zip(plan.buckets, bufs):
                 flat = getattr(bb, kind)
@@ -108,9 +131,43 @@ class BucketSet:
                     flat.copy_(bb.master)
                 else:
                     flat.zero_()
-            for bb in old_bufs:
-                setattr(bb, kind, None)  # the last views of the old buffers of this kind: freed now
+            if kind not in SCRATCH_KINDS:
+                self._free_old(kind, old_bufs)
         self._set_runtimes(plan, bufs)
+        del old, old_bufs
+        self.runtime.host_empty_cache()  # what the old buckets' runtimes still held
+        self._reserve_spare_landing(plan)
+
+    def _reserve_spare_landing(self, plan: BucketPlan) -> None:
+        """Where the policy has no landing arena (an fp32 link, one micro-batch) only a second
+        gradient round of a step needs one (a tied or reused parameter, a second backward): one
+        buffer of the largest host bucket, allocated here, not page-locked by the autograd thread
+        in the middle of backward (memory.spare_landing_numel)."""
+        numel = spare_landing_numel(plan, self.policy) if self.shard_of is None else 0
+        self.spare_landing, self._spare_owner = None, None
+        if numel:
+            dtype, pinned = self.policy.link_dtype, self.policy.pin
+            self.spare_landing = HostArena("grad landing (spare)", [numel], dtype, pinned, self.policy.rounds_pinned,
+                                           self.runtime, self.ledger).view(0)
+
+    def landing(self, rt: BucketRuntime, dtype: torch.dtype, wait_idle) -> torch.Tensor:
+        """Training thread: the host buffer a gradient round that is added to `grad` lands in:
+        the bucket's own (its "recv" arena view), or the shared spare. `wait_idle(rt)` waits for
+        a bucket's queued jobs: the spare changes hands only after the last one's read it."""
+        spare = self.spare_landing
+        if rt.bufs.recv is not None or spare is None or spare.dtype != dtype:
+            return rt.bufs.recv_buffer(dtype)
+        if self._spare_owner is not None and self._spare_owner is not rt:
+            wait_idle(self._spare_owner)  # its accumulate job reads the spare
+        self._spare_owner = rt
+        return spare[:rt.bufs.numel]
+
+    def _free_old(self, kind: str, old_bufs: list[BucketBuffers]) -> None:
+        for bb in old_bufs:
+            setattr(bb, kind, None)  # the last views of the old buffers of this kind: freed now
+        # torch's host allocator caches freed page-locked blocks forever: give them back now, or
+        # the old arena of this kind stays held next to its new one
+        self.runtime.host_empty_cache()
 
     def release(self) -> None:
         """close(): drop every buffer (the caller has waited for every job and copy). Aliased

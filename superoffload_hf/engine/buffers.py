@@ -7,7 +7,8 @@ device tensors. BucketSet sets them. The layout is the plan's: parameter `slot` 
 
 * `grad`   fp32 accumulation of the bucket's gradients over the micro-batches of one step.
            Where the policy keeps none at rest (BufferPolicy.grad_on_demand) it is allocated
-           by `grad_buffer()` for a step that needs it and dropped after it.
+           by `grad_buffer()` for a step that needs it and dropped after it; under
+           BufferPolicy.grad_lazy otherwise, allocated the first time it is needed and kept.
 * `recv`   (host, lazily) the landing buffer of a gradient copy that must be added to `grad`
            or cast to fp32 first; its dtype is the dtype that crosses the link.
 * `lowp`   (host, cast "host" only) the low-precision copy of `master` the kernel writes.
@@ -54,7 +55,8 @@ class BucketBuffers:
     def grad_buffer(self) -> torch.Tensor:
         """The fp32 gradient buffer, allocated (contents undefined) if there is none."""
         if self.grad is None:
-            self.grad = self._alloc("grad", torch.float32, False)  # never crosses a link (the CPU)
+            # never crosses a link: the CPU, or gradients that land in low precision in `recv`
+            self.grad = self._alloc("grad", torch.float32, False)
         return self.grad
 
     def drop_transients(self) -> None:

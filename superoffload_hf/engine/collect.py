@@ -207,7 +207,7 @@ class Collector:
         else:
             flat = rt.take_round()
             fp32_direct = first and flat.dtype == torch.float32
-            landed = rt.bufs.grad if fp32_direct else rt.bufs.recv_buffer(flat.dtype)
+            landed = rt.bufs.grad if fp32_direct else self.buckets.landing(rt, flat.dtype, self.waiter.wait_idle)
             issued = time.perf_counter()
             event = self.transfer.grad_to_host(flat, landed)
             self.counters.bytes_d2h += flat.numel() * flat.element_size()

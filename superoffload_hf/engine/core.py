@@ -38,6 +38,7 @@ from superoffload_hf.engine.dp import DataParallel, check_not_ddp
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
+from superoffload_hf.engine.host_limit import check_plan_fits
 from superoffload_hf.engine.layout import FireLog, LayoutBuilder, common_device
 from superoffload_hf.engine.live import LiveInputs
 from superoffload_hf.engine.lifecycle import BucketState
@@ -119,7 +120,10 @@ class Engine:
                                             shard_world=None if self.dp is None else self.dp.world)
         self.buckets = BucketSet(self.params, buffers, self.runtime,
                                  shard_of=None if self.dp is None else self.dp.shard)
-        self.buckets.install(self.layout.initial_plan())
+        initial = self.layout.initial_plan()
+        if config.host_memory_check:  # before anything is allocated: refuse with the table, not the OOM killer
+            check_plan_fits(footprint(initial, buffers), self.runtime, sum(p.numel() for p in self.params))
+        self.buckets.install(initial)
         self._reserve_staging()
         self.layout.cast_params_in_place()
         self.runtime.adopt(self.params)
@@ -233,6 +237,9 @@ class Engine:
         caller has synchronized (both do: _learn, and load_state_dict before adopt_learned)."""
         if plan == self.plan:
             return
+        if self.config.host_memory_check:
+            check_plan_fits(footprint(plan, self.buckets.policy), self.runtime, sum(p.numel() for p in self.params),
+                            held=self.footprint())
         self.buckets.replan(plan)
         self._reserve_staging()
 
@@ -351,3 +358,4 @@ class Engine:
             self.waiter.inflight.clear()
             self.buckets.release()
             self.transfer.reserve(0)  # the gradient ring and the copy-back staging buffers go
+            self.runtime.host_empty_cache()  # page-locked blocks freed so far go back to the system

@@ -55,19 +55,21 @@ class HostJobs:
         if landed is rt.bufs.grad or keep:
             rt.grad_in = landed
             return
+        grad = rt.bufs.grad_buffer()  # (allocated here where the policy keeps none: grad_lazy)
         if first:
-            self.adam.grad_copy_(rt.bufs.grad, landed)
-            rt.grad_in = rt.bufs.grad
+            self.adam.grad_copy_(grad, landed)
+            rt.grad_in = grad
         else:
-            self.adam.grad_accumulate_(rt.bufs.grad, landed)  # fp32 accumulation over micro-batches
+            self.adam.grad_accumulate_(grad, landed)  # fp32 accumulation over micro-batches
         self._host(rt, "upcast" if first else "accumulate", start)
 
     def hold_in_fp32(self, rt: BucketRuntime) -> None:
         """A kept round must be accumulated after all (its bucket was re-opened): upcast it
         before the next round lands in the same receive buffer."""
         if rt.grad_in is not rt.bufs.grad:
-            self.adam.grad_copy_(rt.bufs.grad, rt.grad_in)
-            rt.grad_in = rt.bufs.grad
+            grad = rt.bufs.grad_buffer()  # (allocated here where the policy keeps none: grad_lazy)
+            self.adam.grad_copy_(grad, rt.grad_in)
+            rt.grad_in = grad
 
     def launch(self, rt: BucketRuntime, spec: Optional[StepCall], budget=None) -> None:
         """Norm of the bucket; then its speculative step if `spec` is given and `budget`

@@ -11,7 +11,9 @@ the runtime rounds page-locked blocks up) that the buckets are views into:
   `exp_avg_sq`
 * `grad`       fp32 gradient staging; page-locked when gradients land in it (an fp32 link).
                None at rest on the CPU with fp32 and one micro-batch (`grad_on_demand`): the
-               host Adam reads autograd's gradients in place, as torch.optim does
+               host Adam reads autograd's gradients in place, as torch.optim does; none either
+               with one micro-batch over a low-precision link (`grad_lazy`): the step reads
+               the landing buffer
 * `lowp`       (cast "host") the low-precision copy the kernel writes; page-locked, it crosses
 
 Besides: `snapshot` (rollback "snapshot": master and moments before a speculative step, plain),
@@ -32,6 +34,7 @@ device is the host and nothing is pinned.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -80,6 +83,15 @@ class BufferPolicy:
         which one of its parameters receives a second gradient (engine/collect.py)."""
         return self.params_alias_masters and not self.accumulates
 
+    @property
+    def grad_lazy(self) -> bool:
+        """No fp32 gradient arena: `grad_on_demand`, or one micro-batch whose gradients cross the
+        link in low precision (cast "host"), which the step reads from the landing buffer as it
+        is. A bucket whose round is re-opened (a tied or reused parameter) gets its fp32 buffer
+        then (BucketBuffers.grad_buffer, jobs.py) and keeps it."""
+        return self.grad_on_demand or (self.link_dtype != FP32 and not self.accumulates
+                                       and self.shard_world is None)
+
     def host_numel(self, numel: int) -> int:
         """Elements of a host bucket of `numel` elements in this rank's buffers: its shard's
         under data parallelism (shard.py; padding included), else all of them."""
@@ -89,7 +101,7 @@ class BufferPolicy:
         """kind -> (dtype, page-locked) of every arena a host bucket has."""
         kinds = {"master": (FP32, self.pin and self.lowp_dtype is None),
                  "exp_avg": (FP32, False), "exp_avg_sq": (FP32, False)}
-        if not self.grad_on_demand:
+        if not self.grad_lazy:
             kinds["grad"] = (FP32, self.pin and self.link_dtype == FP32)
         if self.lowp_dtype is not None:
             kinds["lowp"] = (self.lowp_dtype, self.pin)
@@ -148,12 +160,20 @@ class Ledger:
         self.live: dict[tuple[str, str], int] = defaultdict(int)
         self.peak_total = 0
         self.peak: dict[str, int] = defaultdict(int)  # per place
+        self.pin_seconds = 0.0  # spent allocating page-locked buffers (the driver pins every page)
 
     def allocate(self, runtime, kind: str, place: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if place == "device":
-            t = runtime.device_empty(numel, dtype)
-        else:
-            t = runtime.host_empty(numel, dtype, pinned=place == "pinned")
+        start = time.perf_counter()
+        try:
+            if place == "device":
+                t = runtime.device_empty(numel, dtype)
+            else:
+                t = runtime.host_empty(numel, dtype, pinned=place == "pinned")
+        except (MemoryError, torch.OutOfMemoryError) as e:
+            raise type(e)(f"{e}\nAllocating {kind} ({place}, {numel} x {dtype}) on top of what the engine "
+                          f"holds now:\n{self.table()}") from e
+        if place == "pinned":
+            self.pin_seconds += time.perf_counter() - start
         nbytes = numel * t.element_size()
         self._add(kind, place, nbytes)
         weakref.finalize(t, self._add, kind, place, -nbytes)
@@ -167,6 +187,15 @@ class Ledger:
     def bytes(self, place: Optional[str] = None, kind: Optional[str] = None) -> int:
         return sum(b for (k, p), b in self.live.items()
                    if (place is None or p == place) and (kind is None or k == kind))
+
+    def table(self) -> str:
+        """What the engine holds, per (kind, place), in GB."""
+        lines = [f"  {'buffer':<26}{'place':<8}{'GB':>10}"]
+        for (kind, place), nbytes in sorted(self.live.items()):
+            if nbytes:
+                lines.append(f"  {kind:<26}{place:<8}{nbytes / 1e9:>10.3f}")
+        lines.append(f"  {'total':<34}{self.bytes() / 1e9:>10.3f}")
+        return "\n".join(lines)
 
     def reset_peak(self) -> None:
         self.peak = defaultdict(int, {p: self.bytes(p) for _, p in self.live})
@@ -200,6 +229,15 @@ class FootprintRow:
     transient: bool = False
 
 
+def spare_landing_numel(plan: BucketPlan, policy: BufferPolicy) -> int:
+    """Elements of the one spare landing buffer (engine/buckets.py) where the policy has no landing
+    arena and a second gradient round would land through the link: the largest host bucket; 0
+    where none is needed (landing arenas, aliased masters, data parallelism: engine/dp.py)."""
+    if policy.landing or policy.params_alias_masters or policy.shard_world is not None:
+        return 0
+    return max((b.numel for b in plan.buckets if not b.device_resident), default=0)
+
+
 def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
     """What the engine allocates for `plan` under `policy`, row by row (the allocation's own
     arithmetic: `arena_layout`, the buffer kinds of `policy`, and `policy.host_numel`: the
@@ -217,6 +255,11 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
         segments, _ = arena_layout(host, policy.rounds_pinned and pinned)
         rows.append(FootprintRow({"grad": "grad staging", "recv": "grad landing"}.get(kind, kind),
                                  "pinned" if pinned else "host", sum(segments) * _size(dtype)))
+    spare = spare_landing_numel(plan, policy)
+    if spare:
+        segments, _ = arena_layout([spare], policy.rounds_pinned and policy.pin)
+        rows.append(FootprintRow("grad landing (spare)", "pinned" if policy.pin else "host",
+                                 sum(segments) * _size(policy.link_dtype)))
     if policy.snapshot:
         rows.append(FootprintRow("snapshot", "host", sum(host) * 3 * 4))
     largest_host = max(host, default=0)

@@ -53,12 +53,16 @@ def _run(jobs: "queue.SimpleQueue", failure: _Failure) -> None:
         if item is None:
             return
         fn, pending = item
+        item = None
         try:
             if failure.error is None:
                 fn()
         except BaseException as error:  # surfaced in the training thread
             failure.error = error
         finally:
+            # before done(): a job's arguments (views of a bucket's host arenas) must not outlive
+            # it while this thread waits for the next one, or a re-plan cannot free them
+            fn = None
             pending.done()
 
 

@@ -34,6 +34,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from superoffload_hf.testing.host_memory import SimHostMemory, budget_from_env
+
 _POISON_BYTE = 0xA5
 _TOTAL_BYTES = 80 * 2**30  # the fake device's memory
 
@@ -108,8 +110,9 @@ class _Param(_DeviceBuffer):
 
 
 class _Pinned:
-    def __init__(self, key: int):
+    def __init__(self, key: int, block: int):
         self.key = key
+        self.block = block  # bytes of the host allocator's block (testing/host_memory.py)
 
 
 class _Copy:
@@ -215,16 +218,20 @@ def _forward_hook(runtime_ref, module, args, output):
 
 class SimRuntime:
     is_async = True
-    pinned_rounds_to_power_of_two = False  # emulated pinning: exact sizes
+    pinned_rounds_to_power_of_two = True  # as CUDA's host caching allocator (testing/host_memory.py)
     host_is_device = False  # CPU tensors, but device memory in the model it simulates
     name = "sim:0"
 
     _shared: Optional["SimRuntime"] = None
     _shared_lock = threading.Lock()
 
-    def __init__(self, main_thread: Optional[threading.Thread] = None):
+    def __init__(self, main_thread: Optional[threading.Thread] = None, host_budget_bytes: Optional[int] = None,
+                 strict_pinned: bool = False):
         self.device = torch.device("cpu")
         self.errors: list[SimRaceError] = []
+        self.host_memory = SimHostMemory(host_budget_bytes)  # pinned allocator, host budget
+        # a non_blocking copy whose host side is pageable is an error (set it after step 1)
+        self.strict_pinned = strict_pinned
         self.compute_clock = 1
         self._lock = threading.RLock()
         self._main_ident = (main_thread or threading.current_thread()).ident
@@ -244,7 +251,7 @@ class SimRuntime:
         """The process-wide simulated device (its main thread is the interpreter's)."""
         with cls._shared_lock:
             if cls._shared is None:
-                cls._shared = cls(main_thread=threading.main_thread())
+                cls._shared = cls(main_thread=threading.main_thread(), host_budget_bytes=budget_from_env())
             return cls._shared
 
     @classmethod
@@ -262,14 +269,32 @@ class SimRuntime:
 
     # ----------------------------------------------------------------- the seam
     def host_empty(self, numel: int, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype)
-        if pinned and numel:
-            with self._lock:
-                self._settle()
-                record = _Pinned(_storage_key(t))
-                self._pinned[record.key] = record
-            weakref.finalize(t, self._freed.append, record)
+        nbytes = numel * dtype.itemsize
+        if not (pinned and numel):
+            self.host_memory.allocate_pageable(nbytes)
+            t = torch.empty(numel, dtype=dtype)
+            weakref.finalize(t, self.host_memory.free_pageable, nbytes)
+            return t
+        with self._lock:
+            self._settle()
+            block = self.host_memory.allocate_pinned(nbytes)
+            t = torch.empty(numel, dtype=dtype)
+            record = _Pinned(_storage_key(t), block)
+            self._pinned[record.key] = record
+        weakref.finalize(t, self._freed.append, record)
         return t
+
+    def host_empty_cache(self) -> int:
+        """Return the pinned blocks cached by the host allocator to the system; bytes returned."""
+        with self._lock:
+            self._settle()
+            return self.host_memory.empty_cache()
+
+    def host_budget_left(self) -> Optional[int]:
+        """Bytes the host budget still admits (None: no budget)."""
+        with self._lock:
+            self._settle()
+            return self.host_memory.left()
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
@@ -349,7 +374,12 @@ class SimRuntime:
             if dst_buf is not None:
                 self._check_war(dst, stream, kind)
             host_sides = [t for t, buf in ((dst, dst_buf), (src, src_buf)) if buf is None]
-            sync = any(_storage_key(t) not in self._pinned for t in host_sides) or len(host_sides) == 2
+            pageable = [t for t in host_sides if _storage_key(t) not in self._pinned]
+            if self.strict_pinned and pageable and len(host_sides) == 1:
+                self._fail(f"strict pinned mode: the {kind} on {stream.label} has a pageable host side, "
+                           f"{_describe(pageable[0], 'pageable host buffer')}: a non_blocking copy from or to "
+                           "pageable memory is synchronous on CUDA (allocate it page-locked)")
+            sync = bool(pageable) or len(host_sides) == 2
             self._seq += 1
             op = _Copy(self._seq, stream, dst, src, dst_buf, src_buf, sync, f"{kind} on {stream.label}",
                        self._label(src, src_buf))
@@ -564,6 +594,7 @@ class SimRuntime:
             if isinstance(record, _Pinned):
                 if self._pinned.get(record.key) is record:
                     del self._pinned[record.key]
+                self.host_memory.free_pinned(record.block)
                 continue
             if self._allocations.get(record.key) is record:
                 del self._allocations[record.key]

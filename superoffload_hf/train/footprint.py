@@ -53,9 +53,27 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
         lines.append(f"memory per rank, data parallel over {num_processes} processes (each rank holds "
                      f"1/{num_processes} of every host bucket's master, moments and gradient staging):")
     lines.append(format_footprint(rows, n))
+    lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
     return "\n".join(lines)
+
+
+def host_check_line(rows, device_is_host: bool) -> str:
+    """What the engine's check before allocating compares (engine/host_limit.py), against this
+    machine's memory now: the host buffers plus the re-plan's transient."""
+    from superoffload_hf.engine.host_limit import host_bytes, host_memory_left, replan_transient
+
+    transient = replan_transient(rows)
+    need = host_bytes(rows, device_is_host) + transient
+    # (indented, no ": ": the dry run's output reads as YAML)
+    line = (f"  host memory checked before allocating {need / 1e9:.3f} GB with the re-plan after step 1 "
+            f"({transient / 1e9:.3f} GB of it the re-plan's transient)")
+    left = host_memory_left(None)
+    if left is None:
+        return line
+    fits = "fits" if need <= left[0] else "does NOT fit (the optimizer would refuse it, see host_memory_check)"
+    return f"{line}; this machine may use {left[0] / 1e9:.3f} GB now ({left[1].replace(': ', ' ')}) - {fits}"
 
 
 def per_host_lines(rows, ranks_per_host: int, num_machines: int, device_is_host: bool) -> str:
