@@ -42,6 +42,7 @@ from superoffload_hf.engine.lifecycle import BucketState
 from superoffload_hf.engine.loss_scale import make_loss_scale
 from superoffload_hf.engine.memory import footprint
 from superoffload_hf.engine.observe import StepObserver
+from superoffload_hf.engine.reads import ModuleReads
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
@@ -122,13 +123,14 @@ class Engine:
             self.worker.submit(functools.partial(bind_current_thread, placement.cores), Pending())
         if self.dp is not None:
             self.jobs.gather = self.dp.gather_back
-        self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, self._reopen)
+        self.reads = ModuleReads(self.params)
+        self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, self._reopen, self.reads)
         self.collector = Collector(self)
         self.committer = Committer(self)
         self.step_returns_early = self.transfer.is_async  # CPU: step() finishes all host work
         self.handles: list = []
         self.unhooked = register_param_hooks(self.params, self, self.handles)
-        register_forward_wait(self, self.handles)
+        register_forward_wait(self, self.reads, self.handles)
         logger.info(self.summary())
 
     def _reopen(self, rt) -> None:
@@ -196,6 +198,9 @@ class Engine:
             self._learn()
         if self.step_returns_early:
             self.waiter.inflight = {rt for rt in self.buckets.host() if rt.state is BucketState.RETURNING}
+            if not self.reads.learned:
+                self.reads.learn()
+            self.waiter.wait_for_params(self.reads.orphans)  # no forward hook waits for these
         else:
             self.synchronize()
         return decision
