@@ -155,3 +155,47 @@ def test_load_state_dict_between_step_and_the_next_forward_is_what_that_forward_
     x, _ = batch(5, model)
     torch.testing.assert_close(model(x), loaded(x), rtol=1e-6, atol=1e-7)
     assert_params_close(model, loaded, "after load_state_dict", exact=True)
+
+
+
+def copy_backs_issued(opt) -> list[torch.Tensor]:
+    """Wait until the host jobs of the last step issued their copy-backs (the lazy simulated
+    streams have not run them); the parameters they write."""
+    from superoffload_hf.testing.sim import SimRuntime
+
+    engine = opt._engine
+    for rt in engine.runtimes:
+        engine.waiter.wait_idle(rt)
+    sim = SimRuntime.shared()
+    sim.pending_ops()  # the main thread's next call into the device arms the access check
+    return [p for p in engine.params if sim._pending_param_copies.get(p.untyped_storage().data_ptr())]
+
+
+def test_a_parameter_write_while_its_copy_back_is_pending_is_an_error_naming_the_op(device_mode):
+    if device_mode != "sim":
+        pytest.skip("the simulated device's check")
+    from superoffload_hf.testing.sim import SimRaceError, SimRuntime
+
+    model = Attention()
+    opt = offload(model)
+    train(model, opt, 2)  # (the first step re-plans and synchronizes)
+    pending = copy_backs_issued(opt)
+    assert pending, "the step left no copy-back in flight"
+    with pytest.raises(SimRaceError, match=r"aten\.copy_\.default .*parameter \(device\)"):
+        pending[0].data.copy_(torch.zeros_like(pending[0]))  # no synchronize(): the copy-back may land after it
+    with pytest.raises(SimRaceError, match=r"aten\.sum\.default .*parameter \(device\)"):
+        pending[0].sum()  # a read as well
+    SimRuntime.shared().errors.clear()  # (the device_mode fixture fails a test that left errors)
+    opt.synchronize()
+
+
+def test_a_parameter_write_after_synchronize_is_what_the_next_forward_reads():
+    model = Attention()
+    opt = offload(model)
+    train(model, opt, 2)
+    opt.synchronize()
+    loaded = Attention(seed=1)
+    for p, q in zip(model.parameters(), loaded.parameters()):
+        p.data.copy_(q)
+    x, _ = batch(5, model)
+    torch.testing.assert_close(model(x), loaded(x), rtol=1e-6, atol=1e-7)
