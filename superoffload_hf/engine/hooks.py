@@ -8,12 +8,14 @@
   alone (HeldGrad.__torch_dispatch__). No hook runs before accumulation: a Python hook per
   parameter inside backward costs several microseconds each.
 * One global module forward pre-hook lets the next forward wait for exactly the buckets that
-  own the parameters of the module about to run (the optimizer is given parameters, not the
-  model, so it cannot register per-module hooks itself). It costs a set lookup and two
-  attribute tests per module call while nothing is in flight. On a module's first forward it
-  also registers a state-dict pre-hook there, so `model.state_dict()` / `save_pretrained`
-  between step() and the next forward read updated weights. Reading `p` directly (an EMA in a
-  custom loop) needs `optimizer.synchronize()` first.
+  the module about to run reads (its own parameters and those reads.py assigns it; the optimizer
+  is given parameters, not the model, so it cannot register per-module hooks itself). It costs
+  a compiling test, a set lookup and two attribute tests per module call while nothing is in
+  flight; while dynamo traces it, it returns at once. On a module's first eager forward it also
+  registers state-dict and load-state-dict pre-hooks on every module under it owning
+  parameters, so `model.state_dict()` / `save_pretrained` / `load_state_dict()` between step()
+  and the next forward read updated weights and write after the copy-backs. Reading or writing
+  `p` directly (an EMA in a custom loop, `p.data.copy_`) needs `optimizer.synchronize()` first.
 
 The hooks hold the engine through a weak reference, so they never keep an optimizer alive.
 """

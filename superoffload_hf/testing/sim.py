@@ -214,6 +214,8 @@ class _ThreadState(threading.local):
 
 
 def _forward_hook(runtime_ref, module, args, output):
+    if torch.compiler.is_compiling():  # a compiled region: its eager wrapper notes the reads
+        return None
     runtime = runtime_ref()
     if runtime is not None and runtime._params:
         runtime._note_forward(module)
@@ -607,7 +609,8 @@ class SimRuntime:
         with self._lock:
             self._arm_check()
             touched = False
-            for p in module._parameters.values():
+            compiled = isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+            for p in (module.parameters() if compiled else module._parameters.values()):
                 buf = self._params.get(id(p)) if p is not None else None
                 if buf is not None and buf.ref() is p:
                     buf.last_read = self.compute_clock
