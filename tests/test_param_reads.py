@@ -166,9 +166,8 @@ def copy_backs_issued(opt) -> list[torch.Tensor]:
     engine = opt._engine
     for rt in engine.runtimes:
         engine.waiter.wait_idle(rt)
-    sim = SimRuntime.shared()
-    sim.pending_ops()  # the main thread's next call into the device arms the access check
-    return [p for p in engine.params if sim._pending_param_copies.get(p.untyped_storage().data_ptr())]
+    assert SimRuntime.shared().pending_ops()  # (the main thread's next call into the device arms the check)
+    return [p for p in engine.params if engine.buckets.runtime_of.get(p) in engine.inflight]
 
 
 def test_a_parameter_write_while_its_copy_back_is_pending_is_an_error_naming_the_op(device_mode):
