@@ -198,3 +198,27 @@ def test_a_parameter_write_after_synchronize_is_what_the_next_forward_reads():
         p.data.copy_(q)
     x, _ = batch(5, model)
     torch.testing.assert_close(model(x), loaded(x), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_save_pretrained_of_a_compiled_model_right_after_step_writes_the_updated_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from _models import tiny_batch, tiny_llama
+
+    def run(model, opt, forward):
+        for step in range(2):
+            forward(**tiny_batch(seed=step)).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    ref = tiny_llama(num_layers=1)
+    run(ref, torch.optim.AdamW(ref.parameters(), lr=LR), ref)
+    model = tiny_llama(num_layers=1)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, config=dict(CONFIG, bucket_size_mb=0.01))
+    compiled = torch.compile(model, backend="eager")
+    run(model, opt, compiled)
+    compiled.save_pretrained(tmp_path)  # no synchronize(): the copy-backs of the last step may be in flight
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(saved[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
