@@ -525,7 +525,7 @@ CAUGHT_BY = {
     "host_waits_h2d": "written while the copy was in flight",
     "fence": "missing fence",
     "param_record_stream": "without record_stream",
-    "h2d_event": "nan",
+    "h2d_event": "while a side-stream copy into it is pending",
     "device_waits_h2d": "nan",
     "thread_device": "enter the device guard",
 }

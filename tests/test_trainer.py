@@ -115,6 +115,16 @@ def test_superoffload_trainer_matches_stock_adamw(tmp_path, max_grad_norm):
         assert counters.rollbacks == counters.speculative_steps
 
 
+@pytest.mark.slow
+def test_a_compiled_model_trains_to_the_stock_eager_numbers(tmp_path):
+    """torch_compile=True: the forward hooks return at once inside the compiled region; the
+    compiled wrapper, which runs eagerly, waits for every bucket its model reads."""
+    stock = train(make_args(tmp_path, "stock", superoffload=False, max_grad_norm=LATE))
+    offload = train(make_args(tmp_path, "offload", max_grad_norm=LATE, torch_compile=True,
+                              torch_compile_backend="eager"))
+    assert_same_training(stock, offload)
+
+
 def test_default_superoffload_config_matches_stock_adamw_at_the_default_max_grad_norm(tmp_path):
     stock = train(make_args(tmp_path, "stock", superoffload=False, max_grad_norm=1.0))
     offload = train(make_args(tmp_path, "offload", max_grad_norm=1.0,

@@ -45,6 +45,7 @@ from superoffload_hf.engine.lifecycle import BucketState
 from superoffload_hf.engine.loss_scale import make_loss_scale
 from superoffload_hf.engine.memory import footprint
 from superoffload_hf.engine.observe import StepObserver
+from superoffload_hf.engine.reads import ModuleReads
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
@@ -138,7 +139,8 @@ class Engine:
             self.worker.submit(functools.partial(bind_current_thread, placement.cores), Pending())
         if self.dp is not None:
             self.jobs.gather = self.dp.gather_back
-        self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, reopen=None)  # set below
+        self.reads = ModuleReads(self.params)
+        self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, None, self.reads)  # reopen set below
         self.handles: list = []
         self.unhooked: list = []
         # The parts get the collaborators they use, never the engine: no reference cycle, so a
@@ -156,7 +158,7 @@ class Engine:
         self.step_returns_early = self.transfer.is_async  # CPU: step() finishes all host work
         self.closed = False
         self.unhooked.extend(register_param_hooks(self.params, self.collector, self.buckets.index_of, self.handles))
-        register_forward_wait(self, self.handles)
+        register_forward_wait(self, self.reads, self.handles)
         logger.info(self.summary())
 
     # the values the parts read at use (LiveInputs), set by the optimizer and by _learn
@@ -226,6 +228,9 @@ class Engine:
             self._learn()
         if self.step_returns_early:
             self.waiter.inflight = {rt for rt in self.buckets.host() if rt.state is BucketState.RETURNING}
+            if not self.reads.learned:
+                self.reads.learn()
+            self.waiter.wait_for_params(self.reads.orphans)  # no forward hook waits for these
         else:
             self.synchronize()
         return decision

@@ -8,12 +8,14 @@
   alone (HeldGrad.__torch_dispatch__). No hook runs before accumulation: a Python hook per
   parameter inside backward costs several microseconds each.
 * One global module forward pre-hook lets the next forward wait for exactly the buckets that
-  own the parameters of the module about to run (the optimizer is given parameters, not the
-  model, so it cannot register per-module hooks itself). It costs a set lookup and two
-  attribute tests per module call while nothing is in flight. On a module's first forward it
-  also registers a state-dict pre-hook there, so `model.state_dict()` / `save_pretrained`
-  between step() and the next forward read updated weights. Reading `p` directly (an EMA in a
-  custom loop) needs `optimizer.synchronize()` first.
+  the module about to run reads (its own parameters and those reads.py assigns it; the optimizer
+  is given parameters, not the model, so it cannot register per-module hooks itself). It costs
+  a compiling test, a set lookup and two attribute tests per module call while nothing is in
+  flight; while dynamo traces it, it returns at once. On a module's first eager forward it also
+  registers state-dict and load-state-dict pre-hooks on every module under it owning
+  parameters, so `model.state_dict()` / `save_pretrained` / `load_state_dict()` between step()
+  and the next forward read updated weights and write after the copy-backs. Reading or writing
+  `p` directly (an EMA in a custom loop, `p.data.copy_`) needs `optimizer.synchronize()` first.
 
 The hooks hold the engine through a weak reference, so they never keep an optimizer alive.
 """
@@ -24,6 +26,8 @@ import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from superoffload_hf.engine.reads import ModuleReads
 
 HELD_GRAD_MESSAGE = (
     "This parameter's gradient is held by the SuperOffload optimizer (it was moved into the "
@@ -96,20 +100,39 @@ def register_param_hooks(params: Sequence[torch.Tensor], collector, index_of: di
     return unhooked
 
 
-def register_forward_wait(engine, handles: list) -> None:
-    """Before a module's forward, and before its `state_dict()` (model.state_dict(),
-    save_pretrained, accelerate's get_state_dict): wait for the buckets of its parameters. The
-    state-dict hook is registered on each module the first time it runs forward."""
+def register_forward_wait(engine, reads: ModuleReads, handles: list) -> None:
+    """Before a module's forward: wait for the buckets its forward reads (`reads`, which also
+    learns here which modules run eagerly). Before `state_dict()` (model.state_dict(),
+    save_pretrained, accelerate's get_state_dict) and `load_state_dict()` of a module owning
+    parameters: wait for the buckets of its parameters. Those two hooks are registered, at the
+    first eager forward of a module, on every module under it (the modules of a compiled region
+    never run their forward hooks)."""
     engine_ref = weakref.ref(engine)
-    watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-    owned = {id(p) for p in engine.params}
+    is_compiling = torch.compiler.is_compiling
+    hooked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
-    def before_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    def wait_for_own(module: torch.nn.Module) -> None:
         e = engine_ref()
         if e is not None and e.inflight:
-            e.wait_for_module(module)
+            e.waiter.wait_for_params(module._parameters.values())
+
+    def before_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        wait_for_own(module)
+
+    def before_load_state_dict(module: torch.nn.Module, *args) -> None:
+        wait_for_own(module)  # the load writes the parameters in stream order after the copy-back
+
+    def hook_state_dicts(root: torch.nn.Module) -> None:
+        for module in root.modules():
+            if module not in hooked:
+                hooked.add(module)
+                if reads.own(module):
+                    handles.append(module.register_state_dict_pre_hook(before_state_dict))
+                    handles.append(module.register_load_state_dict_pre_hook(before_load_state_dict))
 
     def before_forward(module: torch.nn.Module, args) -> None:
+        if is_compiling():  # dynamo traces this hook: a compiled graph has no waits (reads.py)
+            return None
         e = engine_ref()
         if e is None:
             return None
@@ -117,10 +140,9 @@ def register_forward_wait(engine, handles: list) -> None:
             e.on_forward()
         if e.collector.held_out:
             e.collector.release_held()  # this forward's backward accumulates into fresh gradients
-        if module not in watched:
-            watched.add(module)
-            if any(id(p) in owned for p in module.parameters(recurse=False)):
-                handles.append(module.register_state_dict_pre_hook(before_state_dict))
+        if module not in reads.eager:
+            reads.eager.add(module)
+            hook_state_dicts(module)
         if e.inflight:
             e.wait_for_module(module)
         return None

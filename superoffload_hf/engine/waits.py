@@ -9,18 +9,21 @@ back, first).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import time
 
 import torch
 
 from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
+from superoffload_hf.engine.reads import ModuleReads
 
 
 class Waiter:
-    def __init__(self, buckets, worker, transfer, observer, reopen: Callable[[BucketRuntime], None]):
+    def __init__(self, buckets, worker, transfer, observer, reopen: Callable[[BucketRuntime], None],
+                 reads: ModuleReads):
         self.buckets, self.worker, self.transfer, self.observer = buckets, worker, transfer, observer
+        self.reads = reads
         self.reopen = reopen
         self.inflight: set[BucketRuntime] = set()
 
@@ -37,8 +40,12 @@ class Waiter:
         """Before `module` runs forward: its parameters' buckets must be updated on the device.
         A forward between backward and step() (another micro-batch than configured, an
         evaluation, a checkpointed layer recomputed in backward) must read the weights of
-        before the step: a speculatively stepped bucket is rolled back first."""
-        for p in module.parameters(recurse=False):
+        before the step: a speculatively stepped bucket is rolled back first. Its parameters
+        are its own and those its forward reads for submodules that never run (reads.py)."""
+        self.wait_for_params(self.reads.of_module(module))
+
+    def wait_for_params(self, params: Iterable[torch.Tensor]) -> None:
+        for p in params:
             rt = self.buckets.runtime_of.get(p)
             if rt is not None and rt in self.inflight:
                 self._land(rt)

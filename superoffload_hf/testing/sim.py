@@ -18,6 +18,10 @@ missing synchronisation fails every time (DESIGN.md section 7):
   than its allocation stream needs `record_stream(tensor, stream)` by the time the use runs
   (CUDA only needs it before the tensor is freed; a synchronous copy needs none), and a device
   buffer freed while another stream has unrun work on it without one is an error.
+* A side-stream copy into an adopted parameter that the compute stream has not waited for (it
+  has not run) makes any op of the main thread that reads or writes that parameter's storage an
+  error naming the op (a dispatch mode, pushed on the main thread only while such copies are
+  pending): functional reads, `p.data` writes, `load_state_dict`, compiled graphs.
 * Current stream and current device are per thread; a thread other than the runtime's main
   thread must enter `thread_device()` before issuing work.
 
@@ -33,6 +37,8 @@ import weakref
 from typing import Iterator, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from superoffload_hf.testing.host_memory import SimHostMemory, budget_from_env
 
@@ -125,6 +131,7 @@ class _Copy:
         self.snapshot = self.src.clone()
         self.use_snapshot = False  # the source is rewritten by work ordered after this copy
         self.position = 0
+        self.param_key: Optional[int] = None  # set when it writes an adopted parameter
 
     def release(self) -> None:
         self.dst = self.src = self.snapshot = None
@@ -210,10 +217,41 @@ class _ThreadState(threading.local):
 
 
 def _forward_hook(runtime_ref, module, args, output):
+    if torch.compiler.is_compiling():  # a compiled region: its eager wrapper notes the reads
+        return None
     runtime = runtime_ref()
     if runtime is not None and runtime._params:
         runtime._note_forward(module)
     return None
+
+
+# Ops that make a view or read metadata only: no memory access, no race.
+_NO_ACCESS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default,
+              torch.ops.aten.empty_like.default, torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default,
+              torch.ops.aten.full_like.default)
+
+
+class _ParamAccessCheck(TorchDispatchMode):
+    """Main thread only: an op touching a parameter's storage while a copy into it is pending."""
+
+    def __init__(self, sim: "SimRuntime"):
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pending = self.sim._param_writes
+        if pending and not func.is_view and func not in _NO_ACCESS:
+            for t in tree_leaves((args, kwargs)):
+                if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel():  # (not a storage-less subclass)
+                    label = pending.get(_storage_key(t))
+                    if label is not None:
+                        self.sim._fail(
+                            f"{func} reads or writes {label} while a side-stream copy into it is pending: the "
+                            "compute stream has not waited for the copy's event (a parameter read outside its "
+                            "module's forward, a `p.data` write, a load: wait first, e.g. "
+                            "optimizer.synchronize())")
+        return func(*args, **kwargs)
 
 
 class SimRuntime:
@@ -245,6 +283,9 @@ class SimRuntime:
         self._freed: list = []  # appended by finalizers only; handled at the next call (_settle)
         self._live_bytes = 0
         self._hook = None
+        self._param_writes: dict[int, str] = {}  # storage key -> label: pending copies into parameters
+        self._pending_param_copies: dict[int, int] = {}  # storage key -> how many
+        self._check: Optional[_ParamAccessCheck] = None  # pushed on the main thread while any are pending
 
     @classmethod
     def shared(cls) -> "SimRuntime":
@@ -266,6 +307,9 @@ class SimRuntime:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._param_writes.clear()
+        self._pending_param_copies.clear()
+        self._arm_check()
 
     # ----------------------------------------------------------------- the seam
     def host_empty(self, numel: int, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
@@ -392,6 +436,11 @@ class SimRuntime:
             else:
                 _poison(op.dst)
                 self._append(stream, op)
+                if isinstance(dst_buf, _Param):
+                    op.param_key = op.dst_key
+                    self._pending_param_copies[op.dst_key] = self._pending_param_copies.get(op.dst_key, 0) + 1
+                    self._param_writes[op.dst_key] = self._label(dst, dst_buf)
+                    self._arm_check()
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
         with self._lock:
@@ -416,9 +465,11 @@ class SimRuntime:
             everything = SimEvent(self)
             self._record(everything, self.compute, check_device=False)
             self._merge_into_thread(everything.seen_compute)
+            self._arm_check()
 
     def pending_ops(self) -> int:
         with self._lock:
+            self._settle()
             return sum(s.issued - s.done for s in self._streams)
 
     # ------------------------------------------------------ streams and events
@@ -452,12 +503,14 @@ class SimRuntime:
                 return
             self._run_until(event.stream, event.position)
             self._merge_into_thread(event.seen_compute)
+            self._arm_check()
 
     def _stream_synchronize(self, stream: SimStream) -> None:
         with self._lock:
             self._settle()
             self._run_until(stream, stream.issued)
             self._merge_into_thread(stream.seen_compute)
+            self._arm_check()
 
     def _wait_event(self, waiter: SimStream, event: SimEvent) -> None:
         with self._lock:
@@ -467,6 +520,7 @@ class SimRuntime:
                 return
             if waiter.is_compute:  # compute is eager: waiting means the producer runs now
                 self._run_until(event.stream, event.position)
+                self._arm_check()
                 return
             self._merge_thread_into(waiter)
             waiter.seen_compute = max(waiter.seen_compute, event.seen_compute)
@@ -499,6 +553,12 @@ class SimRuntime:
             stream.trimmed += drop
 
     def _run_copy(self, op: _Copy) -> None:
+        if op.param_key is not None:
+            left = self._pending_param_copies.pop(op.param_key, 1) - 1
+            if left:
+                self._pending_param_copies[op.param_key] = left
+            else:
+                self._param_writes.pop(op.param_key, None)
         problems = []
         if not op.sync:  # a synchronous copy has finished before anyone could free its tensors
             problems += self._missing_records(op.uses, op.stream, op.label)
@@ -577,8 +637,10 @@ class SimRuntime:
 
     def _note_forward(self, module: torch.nn.Module) -> None:
         with self._lock:
+            self._arm_check()
             touched = False
-            for p in module._parameters.values():
+            compiled = isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+            for p in (module.parameters() if compiled else module._parameters.values()):
                 buf = self._params.get(id(p)) if p is not None else None
                 if buf is not None and buf.ref() is p:
                     buf.last_read = self.compute_clock
@@ -605,7 +667,24 @@ class SimRuntime:
                 if any(isinstance(op, _Copy) and record.key in (op.src_key, op.dst_key) for op in stream.pending()):
                     problems.append(f"{record.label} freed while {stream.label} still has work on it and no "
                                     f"record_stream(tensor, {stream.label}) was called")
+        self._arm_check()
         self._fail(*problems)
+
+    def _arm_check(self) -> None:
+        """On the main thread, outside backward: push the parameter access check while copies
+        into parameters are pending, pop it when none are (if it is the innermost mode; else at
+        a later call). Autograd restores the mode stack when a backward ends, so the check is
+        looked for on the stack, not remembered."""
+        if threading.get_ident() != self._main_ident or torch._C._current_graph_task_id() != -1:
+            return
+        depth = torch._C._len_torch_dispatch_stack()
+        on = self._check is not None and any(torch._C._get_dispatch_stack_at(i) is self._check for i in range(depth))
+        if self._param_writes and not on:
+            self._check = _ParamAccessCheck(self)
+            self._check.__enter__()
+        elif not self._param_writes and on and torch._C._get_dispatch_stack_at(depth - 1) is self._check:
+            self._check.__exit__(None, None, None)
+            self._check = None
 
     # ----------------------------------------------------------------- helpers
     def _owner(self, t: torch.Tensor) -> Optional[_DeviceBuffer]:
