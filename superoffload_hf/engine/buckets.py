@@ -173,6 +173,7 @@ class BucketSet:
         """close(): drop every buffer (the caller has waited for every job and copy). Aliased
         parameters keep their values: they are views of the masters' memory, now the model's."""
         self.runtimes, self.arenas, self.where, self.runtime_of, self._aliases = [], {}, {}, {}, []
+        self.spare_landing, self._spare_owner = None, None
 
     def _kinds(self) -> tuple[str, ...]:
         # master before lowp (lowp is filled from it); grad last (it holds nothing between steps)
