@@ -118,7 +118,7 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
           config: Optional[dict] = None, check_state: bool = True, start_step: int = 0,
           save_dir: Optional[str] = None, load_dir: Optional[str] = None,
           shard_group_size: Optional[int] = None, idle=(), skip: Optional[dict] = None,
-          eps: float = 1e-8) -> dict:
+          eps: float = 1e-8, poison_value: float = float("nan")) -> dict:
     """Returns the per-step parameter digests (bitwise identity across ranks is the caller's).
     `idle`: (rank, step) pairs where that rank runs no backward at all; `skip`: layers a rank leaves
     out of a step or micro-batch (see skipped_layers); where every rank leaves a layer out, its
@@ -151,7 +151,7 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
             opt.load_state_dict(torch.load(f"{load_dir}/optimizer.pt", weights_only=True, mmap=True))
     target = dict(model.named_parameters())["layers.1.1.weight"]
     ref_target = dict(ref.named_parameters())["layers.1.1.weight"]
-    values = {s: float("nan") for s in poison_steps}
+    values = {s: poison_value for s in poison_steps}
     poison = GradPoison(target, values) if poison_rank == rank else None
     ref_poison = GradPoison(ref_target, values) if poison_rank is not None else None
     digests, skipped = [], []
