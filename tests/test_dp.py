@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from _dist import run_ranks
-from _dp_train import launch_order_learned, train
+from _dp_train import collective_order, launch_order_learned, train
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -200,6 +200,28 @@ def test_the_launch_order_is_learned_at_the_first_step_so_no_bucket_waits_after_
             assert launches == [True] * result["host_buckets"], (rank, step, result["log"])
     assert per_rank[0]["digest"] == per_rank[1]["digest"]
 
+
+
+def test_communicators_are_created_eagerly_and_the_threads_collectives_keep_one_order_on_every_rank():
+    """Every group this rank uses gets one warm-up collective inside the constructor, on the training
+    thread, in creation order (NCCL creates a communicator at its first collective: the gather
+    group's would otherwise be created by the worker thread, mid-training). During training, each
+    collective is issued holding the ordering lock, and the sequence of collectives across the
+    training and worker threads is the same on both ranks although rank 1's worker issues its
+    all-gathers late (the simulated device runs the host worker on its own thread)."""
+    per_rank = run_ranks(collective_order, 2, deadline_s=200, env={"SUPEROFFLOAD_SIM_DEVICE": "1"})
+    for rank, result in enumerate(per_rank):
+        assert result["roles"] == ["grad", "gather", "control"], result["roles"]  # no replicas: world is grad
+        warm_ups = [(op, role) for op, role, thread, _ in result["construction"] if role != "other"]
+        # the weights' broadcast (over the world group, here the grad group) follows the warm-ups
+        assert warm_ups[:3] == [("all_reduce", "grad"), ("all_reduce", "gather"), ("all_reduce", "control")], warm_ups
+        assert {thread for _, _, thread, _ in result["construction"]} == {"MainThread"}
+        training = result["training"]
+        assert {role for _, role, _, _ in training} == {"grad", "gather", "control"}, training
+        assert all(locked for *_, locked in training), [t for t in training if not t[3]]
+        assert any(thread != "MainThread" for _, role, thread, _ in training if role == "gather")
+    sequences = [[(op, role) for op, role, _, _ in r["training"]] for r in per_rank]
+    assert sequences[0] == sequences[1], "the ranks issued their collectives in different orders"
 
 FOUR_RANKS = {
     "nonfinite_on_rank3_clip_mild": dict(speculation="on", clip="mild", steps=5, poison_rank=3, poison_steps=(2,)),

@@ -62,6 +62,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from typing import Any, Mapping, Optional
 
 import torch
@@ -124,6 +125,11 @@ class DataParallel:
         self._ready: set[int] = set()
         self._held_logged = False
         self._gather_pairs: dict[torch.dtype, tuple] = {}  # worker thread only (_gather_buffers)
+        # Set when copy-backs (the worker's all-gathers) may be queued and not issued yet: after
+        # finish() (step() queues them next) and refresh_device_params(). Weak: no cycle through
+        # the collectives.
+        self._gathers_queued = False
+        collectives.before_training = weakref.WeakMethod(self._wait_for_queued_gathers)
 
     def shard(self, bucket) -> Shard:
         return shard_of(bucket, self.rank, self.world)
@@ -268,7 +274,21 @@ class DataParallel:
                 rt.present = present[rt.bucket.index]
                 self._queue_jobs(rt, self._send(self._collecting(rt)), self._spec_at_step(rt))
         self._average_device_buckets(present)
+        self._gathers_queued = True  # step() queues the copy-backs next
         return True
+
+    def _wait_for_queued_gathers(self) -> None:
+        """Before a training-thread collective (Collectives.before_training): the first one after
+        copy-backs were queued waits until the worker has issued every one of them (it runs jobs
+        in order; no other job issues a collective). So every rank issues step t's all-gathers,
+        then step t+1's reduce-scatters, whatever the threads' timing: two communicators' NCCL
+        kernels never interleave differently across ranks. Usually free: the forward in between
+        waited for each bucket it reads (not for a bucket whose layers it skipped)."""
+        if not self._gathers_queued:
+            return
+        self._gathers_queued = False
+        for rt in self.engine.buckets.host():
+            self.engine.waiter.wait_idle(rt)
 
     def _average_device_buckets(self, present: dict) -> None:
         """In bucket order, after presence: the same collectives on every rank."""
@@ -399,6 +419,7 @@ class DataParallel:
         """Every host bucket's weights from the shards' masters (after loading state), in bucket
         order on every rank; device-resident buckets from their own masters."""
         e = self.engine
+        self._gathers_queued = True
         for rt in e.buckets.host():
             e.worker.submit(functools.partial(self._refresh, rt), rt.pending)
         with torch.no_grad():
