@@ -25,7 +25,10 @@ master and moments, plus its shard of the gradient staging. Per step and host bu
   copy-back (worker)        after validation only, one per stepped bucket, queued in the same
                             order on every rank: the updated shard to the device and an all-gather
                             of the bucket's weights into the parameters (a separate process group
-                            from the training thread's); the next forward waits for it per bucket
+                            from the training thread's); the next forward waits for it per bucket,
+                            and the training thread's next collective waits until every one of
+                            them is issued (`_wait_for_queued_gathers`): one order across the
+                            two threads on every rank (device/collectives.py)
 
 Launch order. Collectives on one process group pair up by their order on each rank, so every
 rank issues the reduce-scatters in one fixed order, never the order this rank's buckets happen
@@ -126,7 +129,7 @@ class DataParallel:
         self._held_logged = False
         self._gather_pairs: dict[torch.dtype, tuple] = {}  # worker thread only (_gather_buffers)
         # Set when copy-backs (the worker's all-gathers) may be queued and not issued yet: after
-        # finish() (step() queues them next) and refresh_device_params(). Weak: no cycle through
+        # step()'s norm all-reduce (Committer.apply queues them next) and refresh_device_params(). Weak: no cycle through
         # the collectives.
         self._gathers_queued = False
         collectives.before_training = weakref.WeakMethod(self._wait_for_queued_gathers)
@@ -274,7 +277,6 @@ class DataParallel:
                 rt.present = present[rt.bucket.index]
                 self._queue_jobs(rt, self._send(self._collecting(rt)), self._spec_at_step(rt))
         self._average_device_buckets(present)
-        self._gathers_queued = True  # step() queues the copy-backs next
         return True
 
     def _wait_for_queued_gathers(self) -> None:
@@ -358,7 +360,9 @@ class DataParallel:
     def global_sum_squares(self, host: float, device: float) -> float:
         """Local shards' sum all-reduced over the shard group (one float64 scalar), plus the
         device-resident buckets' (their averaged gradients are the same on every rank)."""
-        return self.coll.all_reduce_sum(host) + device
+        total = self.coll.all_reduce_sum(host) + device
+        self._gathers_queued = True  # step()'s last collective: the copy-backs are queued next
+        return total
 
     def _host_collective_ready(self) -> None:
         """gloo reads device tensors from the host at once: what the current stream has queued
