@@ -118,7 +118,7 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
           config: Optional[dict] = None, check_state: bool = True, start_step: int = 0,
           save_dir: Optional[str] = None, load_dir: Optional[str] = None,
           shard_group_size: Optional[int] = None, idle=(), skip: Optional[dict] = None,
-          eps: float = 1e-8) -> dict:
+          eps: float = 1e-8, poison_value: float = float("nan")) -> dict:
     """Returns the per-step parameter digests (bitwise identity across ranks is the caller's).
     `idle`: (rank, step) pairs where that rank runs no backward at all; `skip`: layers a rank leaves
     out of a step or micro-batch (see skipped_layers); where every rank leaves a layer out, its
@@ -151,7 +151,7 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
             opt.load_state_dict(torch.load(f"{load_dir}/optimizer.pt", weights_only=True, mmap=True))
     target = dict(model.named_parameters())["layers.1.1.weight"]
     ref_target = dict(ref.named_parameters())["layers.1.1.weight"]
-    values = {s: float("nan") for s in poison_steps}
+    values = {s: poison_value for s in poison_steps}
     poison = GradPoison(target, values) if poison_rank == rank else None
     ref_poison = GradPoison(ref_target, values) if poison_rank is not None else None
     digests, skipped = [], []
@@ -293,3 +293,70 @@ def launch_order_learned(rank: int, world: int, steps: int = 3) -> dict:
         dp_module.DataParallel.launch = launch
     host = sum(1 for rt in opt._engine.buckets.host())
     return {"log": log, "host_buckets": host, "digest": params_digest(model)}
+
+
+def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: int = 1) -> dict:
+    """Every torch.distributed collective this rank issues, in issue order across its threads:
+    (operation, the group's role, thread, whether Collectives.issue_lock was held). Layer 2 is left
+    out of the forward at step 2 (so it waits for no copy-back of its bucket, queued last) and rank
+    `slow_gather_rank`'s worker issues that bucket's all-gather 0.5 s late: without an ordering between the
+    threads that rank would issue step 2's first reduce-scatter before step 1's last all-gather."""
+    import threading
+    import time as time_module
+
+    import torch.distributed as dist
+
+    from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.engine import dp as dp_module
+
+    log: list[tuple] = []
+    holder: dict = {}
+    names = [n for n in ("all_reduce", "broadcast", "reduce_scatter_single", "reduce_scatter_tensor",
+                         "all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def recording(name):
+        def call(*args, **kwargs):
+            coll = holder.get("coll")
+            log.append((name, kwargs.get("group"), threading.current_thread().name,
+                        None if coll is None else coll.issue_lock.locked()))
+            return originals[name](*args, **kwargs)
+        return call
+
+    gather_back = dp_module.DataParallel.gather_back
+
+    def slow_gather_back(self, rt):
+        if rank == slow_gather_rank and rt.bucket.index == 0:  # layers[2]'s, queued last
+            time_module.sleep(0.5)
+        return gather_back(self, rt)
+
+    model = tiny_llama(seed=0)
+    # layers[2] last: the plan's first host bucket holds it alone, and step() queues that bucket's
+    # copy-back last, so the forward that skips layers[2] waits for none of the worker's all-gathers
+    late = list(model.layers[2].parameters())
+    params = [p for p in model.parameters() if all(p is not q for q in late)] + late
+    for n in names:
+        setattr(dist, n, recording(n))
+    dp_module.DataParallel.gather_back = slow_gather_back
+    try:
+        opt = SuperOffloadAdamW(params, lr=LR, config=engine_config(speculation="on"))
+        first = opt._engine.buckets.host()[0] if isinstance(opt._engine.buckets.host(), list) else next(iter(opt._engine.buckets.host()))
+        assert {s.index for s in first.bucket.slots} == set(range(len(params) - len(late), len(params))), first.bucket
+        coll = holder["coll"] = opt._engine.dp.coll
+        constructed = len(log)
+        for step in range(steps):
+            model.skip = frozenset({2}) if step == 2 else frozenset()
+            for batch in rank_batches(step, rank, world, 1):
+                model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize() if hasattr(opt, "synchronize") else opt._engine.synchronize()
+        opt.close()
+    finally:
+        for n in names:
+            setattr(dist, n, originals[n])
+        dp_module.DataParallel.gather_back = gather_back
+    roles = {id(group): role for role, group in coll.groups()}
+    named = [(op, roles.get(id(group), "other"), thread, locked) for op, group, thread, locked in log]
+    return {"construction": named[:constructed], "training": named[constructed:],
+            "roles": [role for role, _ in coll.groups()]}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from _dist import run_ranks
-from _dp_train import launch_order_learned, train
+from _dp_train import collective_order, launch_order_learned, train
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -79,6 +79,57 @@ def test_two_ranks_match_stock_adamw_on_the_averaged_gradient_and_agree_bitwise(
 def test_a_gradient_after_the_bucket_left_the_rank_is_an_error_that_says_what_to_set():
     for message in two_rank_results()["second_backward"]:
         assert message is not None and "gradient_accumulation_steps" in message
+
+
+# ---- skip, clip and rollback in every speculation mode ------------------------------------------
+#
+# Rank 1's gradient of layers.1.1.weight is inf at step 3: the step is skipped on both ranks. Rank 0's
+# shards are all finite, so it steps every one of them speculatively (the embedding too: on the host
+# here, with rows that see their first gradient at step 3) and rolls them all back. Steps 4 and 5
+# must continue as torch does from the untouched state: a rollback that left a rounding residue in
+# exp_avg where the step started from zero moments (exp_avg_sq restored to exactly 0) made the next
+# update divide it by eps, 4e-6 away from the reference. train() compares every parameter after
+# every step; clip "mild" rolls back and replays every other step, "none" and "never" commit them.
+# On the CPU device "auto" never speculates (nothing to overlap); on the simulated device it does.
+SKIP_CLIP_ROLLBACK = {
+    f"spec_{mode}_clip_{clip}": dict(speculation=mode, clip=clip, steps=6, poison_rank=1, poison_steps=(3,),
+                                     poison_value=float("inf"), config={"device_buckets": 0})
+    for mode in ("off", "on", "auto") for clip in ("none", "never", "mild")}
+SIM_AUTO = {f"sim_{name}": kw for name, kw in SKIP_CLIP_ROLLBACK.items() if "_auto_" in name}
+
+
+def _scenarios_each_checked(rank, world, scenarios):
+    """As _scenarios, a failed comparison reported per scenario (one run of the processes for all)."""
+    out = []
+    for kw in scenarios:
+        try:
+            out.append(train(rank, world, **kw))
+        except AssertionError as error:
+            out.append({"failed": str(error)})
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def skip_clip_rollback_results(sim: bool):
+    scenarios = SIM_AUTO if sim else SKIP_CLIP_ROLLBACK
+    results = run_ranks(_scenarios_each_checked, 2, list(scenarios.values()), deadline_s=200,
+                        env={"SUPEROFFLOAD_SIM_DEVICE": "1"} if sim else None)
+    return {name: [r[i] for r in results] for i, name in enumerate(scenarios)}
+
+
+@pytest.mark.parametrize("name", list(SKIP_CLIP_ROLLBACK) + list(SIM_AUTO))
+def test_a_step_skipped_for_one_rank_nonfinite_gradient_leaves_the_next_steps_exact(name):
+    sim = name.startswith("sim_")
+    per_rank = skip_clip_rollback_results(sim)[name]  # each rank compared every parameter after every step
+    for rank, result in enumerate(per_rank):
+        assert "failed" not in result, f"{name}, rank {rank}: {result.get('failed')}"
+    assert per_rank[0]["digests"] == per_rank[1]["digests"], f"{name}: ranks hold different parameters"
+    assert per_rank[0]["skipped"] == [False, False, False, True, False, False], per_rank[0]["skipped"]
+    counters = per_rank[0]["counters"]
+    if "_on_" in name or sim:  # speculated, and the skipped step's speculative steps were rolled back
+        assert counters["speculative_steps"] > 0 and counters["rollbacks"] > 0, counters
+    if "_off_" in name or ("_auto_" in name and not sim):
+        assert counters["speculative_steps"] == 0, counters
 
 
 # ---- parameters with a gradient on some ranks only -------------------------------------------------
@@ -149,6 +200,28 @@ def test_the_launch_order_is_learned_at_the_first_step_so_no_bucket_waits_after_
             assert launches == [True] * result["host_buckets"], (rank, step, result["log"])
     assert per_rank[0]["digest"] == per_rank[1]["digest"]
 
+
+
+def test_communicators_are_created_eagerly_and_the_threads_collectives_keep_one_order_on_every_rank():
+    """Every group this rank uses gets one warm-up collective inside the constructor, on the training
+    thread, in creation order (NCCL creates a communicator at its first collective: the gather
+    group's would otherwise be created by the worker thread, mid-training). During training, each
+    collective is issued holding the ordering lock, and the sequence of collectives across the
+    training and worker threads is the same on both ranks although rank 1's worker issues its
+    all-gathers late (the simulated device runs the host worker on its own thread)."""
+    per_rank = run_ranks(collective_order, 2, deadline_s=200, env={"SUPEROFFLOAD_SIM_DEVICE": "1"})
+    for rank, result in enumerate(per_rank):
+        assert result["roles"] == ["grad", "gather", "control"], result["roles"]  # no replicas: world is grad
+        warm_ups = [(op, role) for op, role, thread, _ in result["construction"] if role != "other"]
+        # the weights' broadcast (over the world group, here the grad group) follows the warm-ups
+        assert warm_ups[:3] == [("all_reduce", "grad"), ("all_reduce", "gather"), ("all_reduce", "control")], warm_ups
+        assert {thread for _, _, thread, _ in result["construction"]} == {"MainThread"}
+        training = result["training"]
+        assert {role for _, role, _, _ in training} == {"grad", "gather", "control"}, training
+        assert all(locked for *_, locked in training), [t for t in training if not t[3]]
+        assert any(thread != "MainThread" for _, role, thread, _ in training if role == "gather")
+    sequences = [[(op, role) for op, role, _, _ in r["training"]] for r in per_rank]
+    assert sequences[0] == sequences[1], "the ranks issued their collectives in different orders"
 
 FOUR_RANKS = {
     "nonfinite_on_rank3_clip_mild": dict(speculation="on", clip="mild", steps=5, poison_rank=3, poison_steps=(2,)),

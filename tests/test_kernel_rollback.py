@@ -63,6 +63,32 @@ def test_rollback_of_a_first_adamw_step_restores_a_zero_second_moment_exactly(cp
     assert torch.equal(restored[2], zeros)
 
 
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+@pytest.mark.parametrize("hyper", [HYPERS[0], HYPERS[1], HYPERS[4], ADVERSARIAL_HYPERS[1]],
+                         ids=["adamw-first", "adamw-step7", "adamw-no-bias-correction", "adamw-adversarial"])
+def test_rollback_restores_zero_moments_exactly_so_a_later_zero_gradient_only_decays(cpp_adam, isa, backend, hyper):
+    """Elements whose moments were zero before the step (no gradient yet: an embedding row's first
+    use) get both moments back exactly zero. A rounding residue in exp_avg alone (exp_avg_sq is
+    restored to exactly 0) would be divided by eps at the next step: an element without a
+    gradient would move by ~lr/1000 instead of only decaying (the data-parallel skip bug)."""
+    from superoffload_hf.host import reference
+
+    adam = cpp_adam(isa) if backend == "kernel" else reference
+    n = 1001
+    param, _, _, grad = random_state(n, seed=3)
+    zeros = torch.zeros(n)
+    _, (p, m, v) = step_then_rollback(adam, (param, zeros, zeros), grad, hyper)
+    assert torch.equal(v, zeros)
+    nonzero = int((m != 0).sum())
+    assert nonzero == 0, f"isa={isa} {backend}: {nonzero} of {n} exp_avg elements restored to a residue, not 0"
+    # the next step, with no gradient for these elements: AdamW only decays them, as torch does
+    after = p.clone()
+    adam.adam_step_(after, m.clone(), v.clone(), torch.zeros(n), **dict(hyper, step=hyper["step"] + 1))
+    decay = 1.0 - hyper["lr"] * hyper["weight_decay"]
+    want = p * torch.tensor(decay, dtype=torch.float32)
+    assert torch.equal(after, want), f"isa={isa} {backend}: max |moved| {float((after - want).abs().max()):.3e}"
+
+
 @pytest.mark.parametrize("hyper", HYPERS[1:4], ids=["adamw", "adam-l2", "adam-l2-no-bias-correction"])
 def test_step_rollback_step_equals_one_step_within_bound(cpp_adam, isa, hyper):
     # The engine's replay: a speculative step, its rollback, and the step again with a clip factor.

@@ -12,7 +12,7 @@ namespace {
 constexpr int64_t kWidth = 8;
 
 struct Vcoeffs {
-  __m256 beta1, beta2, one_minus_beta1, one_minus_beta2, neg_one_minus_beta1;
+  __m256 beta1, beta2, one_minus_beta1, one_minus_beta2;
   __m256 step_size, neg_step_size, inv_sqrt_bc2, eps, decay, l2, grad_scale;
 
   explicit Vcoeffs(const Coeffs& c)
@@ -20,7 +20,6 @@ struct Vcoeffs {
         beta2(_mm256_set1_ps(c.beta2)),
         one_minus_beta1(_mm256_set1_ps(c.one_minus_beta1)),
         one_minus_beta2(_mm256_set1_ps(c.one_minus_beta2)),
-        neg_one_minus_beta1(_mm256_set1_ps(-c.one_minus_beta1)),
         step_size(_mm256_set1_ps(c.step_size)),
         neg_step_size(_mm256_set1_ps(-c.step_size)),
         inv_sqrt_bc2(_mm256_set1_ps(c.inv_sqrt_bc2)),
@@ -114,7 +113,7 @@ void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int6
     pv = _mm256_div_ps(pv, k.decay);
     __m256 gv = _mm256_mul_ps(load_grad_vec<GD>(g, i), k.grad_scale);
     if constexpr (L2) gv = _mm256_fmadd_ps(k.l2, pv, gv);
-    const __m256 m_prev = _mm256_div_ps(_mm256_fmadd_ps(k.neg_one_minus_beta1, gv, mv), k.beta1);
+    const __m256 m_prev = _mm256_div_ps(_mm256_sub_ps(mv, _mm256_mul_ps(k.one_minus_beta1, gv)), k.beta1);  // as rollback_one
     const __m256 g2 = _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, gv), gv);
     const __m256 v_prev = _mm256_div_ps(_mm256_sub_ps(vv, g2), k.beta2);
     // max(x, 0) returns its second operand when x is NaN: as `x > 0 ? x : 0` in rollback_one.

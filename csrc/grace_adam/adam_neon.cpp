@@ -14,7 +14,7 @@ namespace {
 constexpr int64_t kWidth = 4;
 
 struct Vcoeffs {
-  float32x4_t beta1, beta2, one_minus_beta1, one_minus_beta2, neg_one_minus_beta1;
+  float32x4_t beta1, beta2, one_minus_beta1, one_minus_beta2;
   float32x4_t step_size, neg_step_size, inv_sqrt_bc2, eps, decay, l2, grad_scale;
 
   explicit Vcoeffs(const Coeffs& c)
@@ -22,7 +22,6 @@ struct Vcoeffs {
         beta2(vdupq_n_f32(c.beta2)),
         one_minus_beta1(vdupq_n_f32(c.one_minus_beta1)),
         one_minus_beta2(vdupq_n_f32(c.one_minus_beta2)),
-        neg_one_minus_beta1(vdupq_n_f32(-c.one_minus_beta1)),
         step_size(vdupq_n_f32(c.step_size)),
         neg_step_size(vdupq_n_f32(-c.step_size)),
         inv_sqrt_bc2(vdupq_n_f32(c.inv_sqrt_bc2)),
@@ -112,7 +111,7 @@ void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int6
     pv = vdivq_f32(pv, k.decay);
     float32x4_t gv = vmulq_f32(load_grad_vec<GD>(g, i), k.grad_scale);
     if constexpr (L2) gv = fma4(k.l2, pv, gv);
-    const float32x4_t m_prev = vdivq_f32(fma4(k.neg_one_minus_beta1, gv, mv), k.beta1);
+    const float32x4_t m_prev = vdivq_f32(vsubq_f32(mv, vmulq_f32(k.one_minus_beta1, gv)), k.beta1);  // as rollback_one
     const float32x4_t g2 = vmulq_f32(vmulq_f32(k.one_minus_beta2, gv), gv);
     const float32x4_t v_prev = vdivq_f32(vsubq_f32(vv, g2), k.beta2);
     // `v_prev > 0 ? v_prev : 0` as in rollback_one: a NaN or -0 compares false and becomes +0

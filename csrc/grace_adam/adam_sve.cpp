@@ -94,7 +94,7 @@ template <GradDtype GD, LowpDtype LD, bool L2>
 void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int64_t n,
                    const Coeffs& c) {
   const svfloat32_t beta1 = svdup_n_f32(c.beta1), beta2 = svdup_n_f32(c.beta2);
-  const svfloat32_t neg_one_minus_beta1 = svdup_n_f32(-c.one_minus_beta1);
+  const svfloat32_t one_minus_beta1 = svdup_n_f32(c.one_minus_beta1);
   const svfloat32_t one_minus_beta2 = svdup_n_f32(c.one_minus_beta2);
   const svfloat32_t step_size = svdup_n_f32(c.step_size), decay = svdup_n_f32(c.decay);
   const svfloat32_t inv_sqrt_bc2 = svdup_n_f32(c.inv_sqrt_bc2), eps = svdup_n_f32(c.eps);
@@ -109,7 +109,8 @@ void rollback_loop(float* p, float* m, float* v, const void* g, void* lowp, int6
     pv = svdiv_f32_x(pg, pv, decay);
     svfloat32_t gv = svmul_f32_x(pg, load_grad_vec<GD>(pg, g, i), grad_scale);
     if constexpr (L2) gv = fma_vec(pg, l2, pv, gv);
-    const svfloat32_t m_prev = svdiv_f32_x(pg, fma_vec(pg, neg_one_minus_beta1, gv, mv), beta1);
+    const svfloat32_t m_prev =  // as rollback_one
+        svdiv_f32_x(pg, svsub_f32_x(pg, mv, svmul_f32_x(pg, one_minus_beta1, gv)), beta1);
     const svfloat32_t g2 = svmul_f32_x(pg, svmul_f32_x(pg, one_minus_beta2, gv), gv);
     const svfloat32_t v_prev = svdiv_f32_x(pg, svsub_f32_x(pg, vv, g2), beta2);
     // `v_prev > 0 ? v_prev : 0` as in rollback_one: a NaN or -0 compares false and becomes +0.

@@ -159,7 +159,10 @@ inline void rollback_one(float& p, float& m, float& v, float g_raw, const Coeffs
   p = p / c.decay;
   float g = g_raw * c.grad_scale;
   if (c.l2 != 0.0f) g = std::fma(c.l2, p, g);
-  m = std::fma(-c.one_minus_beta1, g, m) / c.beta1;
+  // Subtract the very term step_one added, rounded as it was: from m = 0 (a parameter or element
+  // that never had a gradient) this restores exactly 0. An fma would leave that term's rounding
+  // residue, and with v restored to exactly 0 the next step would divide the residue by eps.
+  m = (m - c.one_minus_beta1 * g) / c.beta1;
   const float vr = (v - (c.one_minus_beta2 * g) * g) / c.beta2;
   v = vr > 0.0f ? vr : 0.0f;  // a negative rounding residue (or a NaN) becomes 0, as max(vr, 0) in SIMD
 }

@@ -30,16 +30,32 @@ then presence, the late buckets, the device buckets and the norm; the worker's a
 job order (the same validated copy-backs, in bucket order, everywhere). On gloo a collective
 blocks its caller until every peer has issued it: a rank issues everything a peer may already
 wait for (its remaining reduce-scatters) before a collective on another group.
+
+Across the two threads (NCCL requires the collectives of different communicators to be issued in
+one order on every rank, or kernels of two communicators can wait for each other on a GPU): every
+collective is issued holding `issue_lock`, and a training-thread collective first runs
+`before_training` (engine/dp.py: the first one of a step waits until the worker has issued every
+all-gather the last step queued). So the order on every rank is: step t's reduce-scatters, control
+and norm collectives (training thread), then its all-gathers (worker, job order), then step t+1's;
+never an interleaving that depends on thread timing.
+
+Communicators are created eagerly: `create` (the training thread, inside the optimizer's
+constructor) creates every group in one order on every rank and issues one warm-up collective on
+each of this rank's groups in that order (`warm_up`): NCCL creates a communicator lazily at its
+first collective, which would otherwise happen in the worker thread for the gather group, at a
+moment that depends on timing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import datetime
 import logging
 import socket
+import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -97,6 +113,9 @@ class Collectives:
         self.control_group = control_group  # training thread, every rank, gloo: presence only
         self.backend = backend  # of the data groups (the control group is gloo)
         self.has_reduce_scatter = True  # False after gloo refused one (see reduce_scatter_mean)
+        self.issue_lock = threading.Lock()  # held while a collective is issued (module docstring)
+        # A weak reference to what a training-thread collective runs first (engine/dp.py sets it)
+        self.before_training: Optional[Callable[[], Optional[Callable[[], None]]]] = None
 
     @classmethod
     def create(cls, process_group=None, timeout: Optional[datetime.timedelta] = None,
@@ -140,8 +159,42 @@ class Collectives:
         replica_group = groups_for(topology.replica_groups()) if topology.replicas > 1 else None
         world_group = grad_group if topology.replicas == 1 else groups_for([tuple(range(world))])
         control_group = groups_for([tuple(range(world))], backend="gloo")
-        return cls(topology, grad_group, gather_group, replica_group, world_group, control_group,
-                   dist.get_backend(grad_group))
+        collectives = cls(topology, grad_group, gather_group, replica_group, world_group, control_group,
+                          dist.get_backend(grad_group))
+        collectives.warm_up()
+        return collectives
+
+    def groups(self) -> list[tuple[str, object]]:
+        """This rank's process groups, by role, in creation order (each once)."""
+        named = [("grad", self.grad_group), ("gather", self.gather_group), ("replica", self.replica_group),
+                 ("world", self.world_group), ("control", self.control_group)]
+        seen, out = set(), []
+        for name, group in named:
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                out.append((name, group))
+        return out
+
+    def warm_up(self) -> None:
+        """One small all-reduce on each of this rank's groups, in creation order, from the calling
+        (training) thread: every communicator exists before training starts (NCCL would create
+        the gather group's lazily, in the worker thread), created in the same order on every rank."""
+        import torch.distributed as dist
+
+        with self._issuing():
+            for name, group in self.groups():
+                device = torch.device("cpu") if name == "control" else self._device(group)
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+    @contextlib.contextmanager
+    def _issuing(self, training: bool = True):
+        """Around every collective: the training thread's wait for the worker's queued ones
+        (`before_training`), then the lock that keeps the two threads' collectives apart."""
+        hook = self.before_training() if training and self.before_training is not None else None
+        if hook is not None:
+            hook()
+        with self.issue_lock:
+            yield
 
     @property
     def world(self) -> int:
@@ -159,6 +212,11 @@ class Collectives:
         is shard_world x shard_dev's). Summed in flat_dev's dtype, then divided once."""
         import torch.distributed as dist
 
+        with self._issuing():
+            self._reduce_scatter_sum(dist, flat_dev, shard_dev)
+        shard_dev.div_(self.world)
+
+    def _reduce_scatter_sum(self, dist, flat_dev: torch.Tensor, shard_dev: torch.Tensor) -> None:
         if self.has_reduce_scatter:
             try:
                 _reduce_scatter(dist)(shard_dev, flat_dev, group=self.grad_group)
@@ -176,14 +234,14 @@ class Collectives:
             shard_dev.copy_(flat_dev[start:start + n])
         if self.replica_group is not None:
             dist.all_reduce(shard_dev, group=self.replica_group)
-        shard_dev.div_(self.world)
 
     def all_reduce_sum(self, value: float) -> float:
         """The float64 sum over the shard group of one scalar per rank (a host sync on NCCL)."""
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64, device=self._device(self.grad_group))
-        dist.all_reduce(t, group=self.grad_group)
+        with self._issuing():
+            dist.all_reduce(t, group=self.grad_group)
         return float(t.item())
 
     def all_reduce_presence(self, flags: torch.Tensor) -> torch.Tensor:
@@ -192,7 +250,8 @@ class Collectives:
         import torch.distributed as dist
 
         t = flags.to(device="cpu", dtype=torch.int32, copy=True)
-        dist.all_reduce(t, group=self.control_group)
+        with self._issuing():
+            dist.all_reduce(t, group=self.control_group)
         return t > 0
 
     def broadcast_ints(self, values: Sequence[int], length: int, src: int = 0) -> list[int]:
@@ -202,33 +261,38 @@ class Collectives:
 
         t = torch.full((length,), -1, dtype=torch.int64)
         t[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
-        dist.broadcast(t, src=src, group=self.control_group)
+        with self._issuing():
+            dist.broadcast(t, src=src, group=self.control_group)
         return [int(v) for v in t.tolist() if v >= 0]
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> None:
         """In place: the mean over every rank (a replicated, device-resident bucket's gradient)."""
         import torch.distributed as dist
 
-        dist.all_reduce(tensor, group=self.world_group)
+        with self._issuing():
+            dist.all_reduce(tensor, group=self.world_group)
         tensor.div_(self.world)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Global rank `src`'s values into `tensors` on every rank (e.g. initial weights, as DDP)."""
         import torch.distributed as dist
 
-        for t in tensors:
-            dist.broadcast(t, src=src, group=self.world_group)
+        with self._issuing():
+            for t in tensors:
+                dist.broadcast(t, src=src, group=self.world_group)
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        dist.barrier(group=self.world_group)
+        with self._issuing():
+            dist.barrier(group=self.world_group)
 
     def broadcast_object(self, obj, src: int = 0):
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.world_group)
+        with self._issuing():
+            dist.broadcast_object_list(box, src=src, group=self.world_group)
         return box[0]
 
     # ---- host worker thread ---------------------------------------------------------------
@@ -237,7 +301,8 @@ class Collectives:
         """`flat_dev` := every shard of the shard group, in shard order."""
         import torch.distributed as dist
 
-        _all_gather(dist)(flat_dev, shard_dev, group=self.gather_group)
+        with self._issuing(training=False):
+            _all_gather(dist)(flat_dev, shard_dev, group=self.gather_group)
 
     def _device(self, group) -> torch.device:
         if self.backend == "nccl":  # the current accelerator (NCCL is CUDA's), through the generic API

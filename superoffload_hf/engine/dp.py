@@ -25,7 +25,10 @@ master and moments, plus its shard of the gradient staging. Per step and host bu
   copy-back (worker)        after validation only, one per stepped bucket, queued in the same
                             order on every rank: the updated shard to the device and an all-gather
                             of the bucket's weights into the parameters (a separate process group
-                            from the training thread's); the next forward waits for it per bucket
+                            from the training thread's); the next forward waits for it per bucket,
+                            and the training thread's next collective waits until every one of
+                            them is issued (`_wait_for_queued_gathers`): one order across the
+                            two threads on every rank (device/collectives.py)
 
 Launch order. Collectives on one process group pair up by their order on each rank, so every
 rank issues the reduce-scatters in one fixed order, never the order this rank's buckets happen
@@ -62,6 +65,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from typing import Any, Mapping, Optional
 
 import torch
@@ -124,6 +128,11 @@ class DataParallel:
         self._ready: set[int] = set()
         self._held_logged = False
         self._gather_pairs: dict[torch.dtype, tuple] = {}  # worker thread only (_gather_buffers)
+        # Set when copy-backs (the worker's all-gathers) may be queued and not issued yet: after
+        # step()'s norm all-reduce (Committer.apply queues them next) and refresh_device_params(). Weak: no cycle through
+        # the collectives.
+        self._gathers_queued = False
+        collectives.before_training = weakref.WeakMethod(self._wait_for_queued_gathers)
 
     def shard(self, bucket) -> Shard:
         return shard_of(bucket, self.rank, self.world)
@@ -270,6 +279,19 @@ class DataParallel:
         self._average_device_buckets(present)
         return True
 
+    def _wait_for_queued_gathers(self) -> None:
+        """Before a training-thread collective (Collectives.before_training): the first one after
+        copy-backs were queued waits until the worker has issued every one of them (it runs jobs
+        in order; no other job issues a collective). So every rank issues step t's all-gathers,
+        then step t+1's reduce-scatters, whatever the threads' timing: two communicators' NCCL
+        kernels never interleave differently across ranks. Usually free: the forward in between
+        waited for each bucket it reads (not for a bucket whose layers it skipped)."""
+        if not self._gathers_queued:
+            return
+        self._gathers_queued = False
+        for rt in self.engine.buckets.host():
+            self.engine.waiter.wait_idle(rt)
+
     def _average_device_buckets(self, present: dict) -> None:
         """In bucket order, after presence: the same collectives on every rank."""
         for rt in self.engine.buckets.on_device():
@@ -338,7 +360,9 @@ class DataParallel:
     def global_sum_squares(self, host: float, device: float) -> float:
         """Local shards' sum all-reduced over the shard group (one float64 scalar), plus the
         device-resident buckets' (their averaged gradients are the same on every rank)."""
-        return self.coll.all_reduce_sum(host) + device
+        total = self.coll.all_reduce_sum(host) + device
+        self._gathers_queued = True  # step()'s last collective: the copy-backs are queued next
+        return total
 
     def _host_collective_ready(self) -> None:
         """gloo reads device tensors from the host at once: what the current stream has queued
@@ -399,6 +423,7 @@ class DataParallel:
         """Every host bucket's weights from the shards' masters (after loading state), in bucket
         order on every rank; device-resident buckets from their own masters."""
         e = self.engine
+        self._gathers_queued = True
         for rt in e.buckets.host():
             e.worker.submit(functools.partial(self._refresh, rt), rt.pending)
         with torch.no_grad():

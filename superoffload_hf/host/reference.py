@@ -31,7 +31,7 @@ Rollback inverts it from the post-step state and the same gradient and arguments
     p = p + step_size * m / denom                  (denom from the post-step v: what the step used)
     if adamw:      p = p / (1 - lr * weight_decay)
     if not adamw:  g = g + weight_decay * p        (p is now the pre-step parameter)
-    m = (m - (1 - beta1) * g) / beta1
+    m = (m - round((1 - beta1) * g)) / beta1      (the term the step added, rounded as it was)
     v = max((v - (1 - beta2) * g * g) / beta2, 0)
 
 Error bound of rollback in fp32 (each element, after one step and its rollback), with
@@ -46,6 +46,13 @@ L2 decay (Adam, weight_decay > 0) the rollback recomputes ``g = grad*grad_scale 
 the *restored* p, so the moments inherit p's error: there ``|g|`` above means
 ``|grad*grad_scale| + wd*(|p| + |step_size*m/denom|)`` and the moment bound is
 ``rollback_error_bound_ulps_l2`` (8; measured worst 4.5 over random and adversarial data).
+
+Zero moments (an element that had no gradient before this step: an embedding row's first use)
+come back exactly zero, for AdamW and Adam without weight decay: the rollback subtracts the
+rounded term the step added, so ``m = 0 + t`` gives back ``t - t = 0`` (and ``v`` likewise). Any
+residue there would stay: with ``v`` restored to 0 the next step divides it by ``eps`` (a step
+skipped after a speculative step, as a data-parallel rank takes when only a peer's gradient is
+not finite, then moved such elements by ~lr/1000 where torch does not move them at all).
 
 The magnitudes are those the update combines, not the result, which cancellation can make
 arbitrarily small. A consequence worth knowing: after a rollback and a *clipped* replay with
@@ -218,8 +225,10 @@ def adam_rollback_(
     g = _scaled_grad(grad, param.dtype, c.grad_scale)
     if c.l2 != 0.0:
         g.add_(param, alpha=c.l2)
-    exp_avg.sub_(g, alpha=c.one_minus_beta1).div_(c.beta1)
-    exp_avg_sq.sub_(g * g, alpha=c.one_minus_beta2).div_(c.beta2).clamp_(min=0.0)
+    # The terms adam_step_ added, computed by the same ops from zero (so rounded as they were):
+    # moments that were zero come back exactly zero (module docstring).
+    exp_avg.sub_(torch.zeros_like(exp_avg).add_(g, alpha=c.one_minus_beta1)).div_(c.beta1)
+    exp_avg_sq.sub_(torch.zeros_like(exp_avg_sq).addcmul_(g, g, value=c.one_minus_beta2)).div_(c.beta2).clamp_(min=0.0)
     if param_lowp is not None:
         param_lowp.copy_(param)
 
