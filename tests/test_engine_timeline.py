@@ -141,8 +141,8 @@ def test_on_the_cpu_device_every_blocking_wait_is_device_idle(device_mode):
         c = opt.counters
         if device_mode == "cpu":
             assert c.device_wait_seconds == c.thread_wait_seconds
-        else:  # simulated time does not pass on the simulated device's events
-            assert c.device_wait_seconds == 0.0
+        else:  # the simulated device's virtual clock: the compute stream's modelled stall, not host time
+            assert 0.0 < c.device_wait_seconds < 0.001
 
 
 # ---- the cost model in the engine ---------------------------------------------------------------

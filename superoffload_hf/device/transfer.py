@@ -225,24 +225,29 @@ class Transfer:
             self.runtime.current_stream().wait_event(event)
 
     def measure_h2d_gbps(self, megabytes: int = 64, repeats: int = 3) -> float:
-        """Host-to-device bandwidth from a page-locked buffer, in GB/s (a one-off measurement)."""
+        """Host-to-device bandwidth from a page-locked buffer, in GB/s (a one-off measurement,
+        between steps, on the h2d stream the copy-backs use). Timed by device events on an
+        asynchronous device (the host clock would time the issue), by the host clock otherwise."""
         rt = self.runtime
         src = rt.host_empty(megabytes * 2**20, torch.uint8, pinned=True)
-        dst = rt.device_empty(src.numel(), torch.uint8)
-        rt.copy_(dst, src)  # warm-up
-        self._drain(rt.current_stream())
-        start = time.perf_counter()
-        for _ in range(repeats):
-            rt.copy_(dst, src)
-        self._drain(rt.current_stream())
-        gbps = src.numel() * repeats / max(time.perf_counter() - start, 1e-9) / 1e9
+        with rt.on_stream(self.h2d):
+            dst = rt.device_empty(src.numel(), torch.uint8)  # allocated on h2d: used only there
+            rt.copy_(dst, src)  # warm-up
+            start_event, end_event = rt.new_event(timing=True), rt.new_event(timing=True)
+            start_event.record(self.h2d)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                rt.copy_(dst, src)
+            end_event.record(self.h2d)
+            self._drain(end_event)
+        seconds = start_event.elapsed_time(end_event) / 1000.0 if self.is_async else time.perf_counter() - start
+        gbps = src.numel() * repeats / max(seconds, 1e-9) / 1e9
         del src, dst
         rt.host_empty_cache()  # the host allocator would keep the probe's page-locked block forever
         return gbps
 
-    def _drain(self, stream) -> None:
-        done = self.runtime.new_event()
-        done.record(stream)
+    def _drain(self, done) -> None:
+        # Blocks the host: elapsed_time needs completed events (and the host clock, finished copies).
         done.synchronize()
 
 

@@ -131,7 +131,7 @@ class Engine:
         self.step_state = StepState(param_groups, self.buckets.param_steps, self.loss_scale)
         # max_grad_norm (the optimizer keeps it current), sync_source, fire_log (None once
         # learned; data parallel: the initial plan on every rank, no re-planning)
-        self.live = LiveInputs(fire_log=None if self.dp else FireLog(len(self.params)))
+        self.live = LiveInputs(fire_log=None if self.dp else FireLog(len(self.params), self.runtime))
         self._host_seconds_before_learning = counters.host_step_seconds
         self.learned: Optional[dict] = None  # the learned plan's inputs, for checkpoints
         self.worker = InlineWorker() if self.runtime.host_is_device else HostWorker()
@@ -262,7 +262,11 @@ class Engine:
         host_elements = sum(rt.bucket.numel for rt in self.buckets.host())
         lowp_bytes = torch.empty((), dtype=self.layout.dtype).element_size()
         machine = measured_machine(self.transfer, host_elements, host_seconds, lowp_bytes, self.layout.h2d_gbps)
-        workload = measured_workload(log, numels, self.observer.last_step_span,
+        # Device time, not host issue time: measured_machine waited for the compute stream, so the
+        # first step's timing events have completed (read without blocking).
+        device_span = self.observer.device_step_span()
+        log.use_device_times()
+        workload = measured_workload(log, numels, self.observer.last_step_span if device_span is None else device_span,
                                      self.config.speculation_max_rollback_rate / 2)
         choice = None
         if self.transfer.is_async and self.layout.device.type != "cpu":
@@ -331,7 +335,7 @@ class Engine:
         self.collector.discard()
         self.committer.account_flags()
         if self.fire_log is not None:
-            self.fire_log = FireLog(len(self.params))
+            self.fire_log = FireLog(len(self.params), self.runtime)
         self._forget_step()
 
     def _forget_step(self) -> None:

@@ -4,7 +4,9 @@ idle time waiting for the host.
 A step opens at the first forward after the previous `step()` (or at its first gradient) and is
 recorded in the timeline until the next one opens, so host work queued by `step()` that runs
 during the next forward stays in its step. Spans are host-clock times: when the training thread
-issued device work, when the worker ran the host Adam, when it saw a gradient land.
+issued device work, when the worker ran the host Adam, when it saw a gradient land. The step's
+forward + backward is also bracketed by timing events on the compute stream (an asynchronous
+device): `device_step_span()` is its device time, which the learned plan uses.
 
 Device idle: on an accelerator, each per-bucket wait of a forward is bracketed by two timing
 events on the compute stream; the time between them is the time the stream stalled for that
@@ -28,6 +30,7 @@ class StepObserver:
         self.last_step_span = 0.0  # the last step, from its first forward to step()
         self._last_step_call: float = None
         self._idle_pending: list = []  # (before, after) timing events around device waits
+        self._span_events = (None, None)  # timing events at the step's open and at step()
 
     # ---- training thread --------------------------------------------------------------------
 
@@ -40,9 +43,26 @@ class StepObserver:
         tl.end_step()
         tl.begin_step(self.step_index + 1)
         self._opened_at = tl.now()
+        self._span_events = (self._timing_event(), None)
+
+    def _timing_event(self):
+        if not self.runtime.is_async:
+            return None
+        event = self.runtime.new_event(timing=True)
+        event.record(self.runtime.current_stream())
+        return event
+
+    def device_step_span(self):
+        """Device seconds of the last step's forward + backward, None where unknown (a
+        synchronous device, or its events have not completed: never waits for them)."""
+        opened, began = self._span_events
+        if opened is None or began is None or not (opened.query() and began.query()):
+            return None
+        return opened.elapsed_time(began) / 1000.0
 
     def step_begins(self) -> float:
         self.open_step()
+        self._span_events = (self._span_events[0], self._timing_event())
         now = self.timeline.now()
         self.last_step_span = now - self._opened_at
         if self._last_step_call is not None:

@@ -24,6 +24,19 @@ missing synchronisation fails every time (DESIGN.md section 7):
   pending): functional reads, `p.data` writes, `load_state_dict`, compiled graphs.
 * Current stream and current device are per thread; a thread other than the runtime's main
   thread must enter `thread_device()` before issuing work.
+* Autograd's device thread: while parameters are adopted, `backward()` of any graph runs on a
+  per-runtime "autograd device thread" (as CUDA's autograd runs device work, and the hooks, on
+  its per-device thread), with the device current there and the caller's current stream; the
+  caller blocks until it finishes and gets its exception.
+* A virtual device clock, separate from the host's: each stream has a device time in ms that a
+  module forward, an op of a backward (on the autograd device thread) and a copy advance by a
+  modelled cost, and a stream wait moves to the waited event's time. An event takes its stream's
+  time when recorded; `elapsed_time` returns the difference and raises, as CUDA does, unless
+  both events were created with `timing=True`, recorded, and have completed.
+* Side streams come from a small pool, round robin (CUDA's pool has 32 per priority): two
+  `new_stream()` calls may return the same stream.
+* Host-blocking waits (event or stream synchronize, synchronize_all, a synchronous copy) are
+  counted per thread: `blocking_waits()`.
 
 Every violation is appended to `runtime.errors` and raised as SimRaceError in the calling thread.
 """
@@ -32,8 +45,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import queue
 import threading
 import weakref
+from collections import Counter
 from typing import Iterator, Optional
 
 import torch
@@ -44,6 +59,11 @@ from superoffload_hf.testing.host_memory import SimHostMemory, budget_from_env
 
 _POISON_BYTE = 0xA5
 _TOTAL_BYTES = 80 * 2**30  # the fake device's memory
+SIDE_STREAMS = 3  # the side-stream pool (CUDA: 32 per priority, round robin)
+# The virtual clock's costs (an H100-like device, orders of magnitude only):
+LINK_BYTES_PER_MS = 25e6     # a copy of either direction: 25 GB/s
+COMPUTE_BYTES_PER_MS = 1e9   # a module forward reads its parameters, a backward op writes its outputs: 1 TB/s
+KERNEL_MS = 0.005            # every forward or backward kernel costs at least this much
 
 
 class SimRaceError(RuntimeError):
@@ -147,11 +167,13 @@ class _WaitFor:
 
 
 class SimEvent:
-    def __init__(self, sim: "SimRuntime"):
+    def __init__(self, sim: "SimRuntime", timing: bool = False):
         self._sim = sim
+        self.timing = timing
         self.stream: Optional[SimStream] = None  # None: never recorded
         self.position = 0
         self.seen_compute = 0
+        self.device_ms = 0.0  # the virtual clock of its stream when recorded
 
     def record(self, stream: Optional["SimStream"] = None) -> None:
         self._sim._record(self, stream)
@@ -163,8 +185,8 @@ class SimEvent:
         return self._sim._event_query(self)
 
     def elapsed_time(self, end: "SimEvent") -> float:
-        """Simulated time does not pass: 0 ms."""
-        return 0.0
+        """Device milliseconds from this event to `end` on the virtual clock (CUDA's rules)."""
+        return self._sim._elapsed_time(self, end)
 
 
 class SimStream:
@@ -176,6 +198,7 @@ class SimStream:
         self.done = 0     # absolute index of the next op to run
         self.seen_compute = 0
         self.waited: dict = {}  # other side stream -> position this stream is ordered after
+        self.device_ms = 0.0  # virtual device clock: when the work issued so far will have run
 
     @property
     def is_compute(self) -> bool:
@@ -214,6 +237,7 @@ class _ThreadState(threading.local):
         self.stream: Optional[SimStream] = None
         self.seen_compute = 0
         self.device_depth = 0
+        self.autograd_device_thread = False
 
 
 def _forward_hook(runtime_ref, module, args, output):
@@ -254,6 +278,107 @@ class _ParamAccessCheck(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+class _BackwardClock(TorchDispatchMode):
+    """On the autograd device thread, during a backward: every op advances the compute stream's
+    device time by its modelled cost."""
+
+    def __init__(self, sim: "SimRuntime"):
+        super().__init__()
+        self._sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sim._advance_compute(KERNEL_MS + _tensor_bytes(out) / COMPUTE_BYTES_PER_MS)
+        return out
+
+
+class _AutogradDeviceThread:
+    """The thread that runs a runtime's backward passes, as CUDA's autograd engine runs device
+    work (and the engine's gradient hooks) on a per-device thread, not the caller's."""
+
+    def __init__(self, sim: "SimRuntime"):
+        self._sim_ref = weakref.ref(sim)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=f"autograd device thread ({sim.name})",
+                                       daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def run(self, fn):
+        """Run `fn()` there with the caller's current stream; block; return or raise its outcome."""
+        sim = self._sim_ref()
+        stream, seen = sim.current_stream(), sim._threads.seen_compute
+        outcome, done = [], threading.Event()
+
+        def job():
+            state = sim._threads
+            state.autograd_device_thread = True
+            state.seen_compute = max(state.seen_compute, seen)
+            try:
+                with sim.thread_device(), sim.on_stream(stream), _BackwardClock(sim):
+                    outcome.append((True, fn()))
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+                outcome.append((False, error))
+            finally:
+                outcome.append(state.seen_compute)
+                done.set()
+
+        self._jobs.put(job)
+        done.wait()
+        (ok, value), seen_there = outcome
+        sim._merge_into_thread(seen_there)  # the caller knows what the backward's thread knew
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+_original_backward = None
+_backward_runtimes: "weakref.WeakSet[SimRuntime]" = weakref.WeakSet()
+_backward_patch_lock = threading.Lock()
+
+
+def _backward_on_device_thread(*args, **kwargs):
+    runtime = next((r for r in list(_backward_runtimes) if r._params), None)
+    if runtime is None or runtime._threads.autograd_device_thread:  # reentrant (checkpointing): in place
+        return _original_backward(*args, **kwargs)
+    return runtime._autograd_thread().run(lambda: _original_backward(*args, **kwargs))
+
+
+def _install_backward(runtime: "SimRuntime") -> None:
+    global _original_backward
+    with _backward_patch_lock:
+        _backward_runtimes.add(runtime)
+        if _original_backward is None:
+            # torch.Tensor.backward calls torch.autograd.backward through the module attribute
+            _original_backward = torch.autograd.backward
+            torch.autograd.backward = _backward_on_device_thread
+
+
+def _uninstall_backward(runtime: "SimRuntime") -> None:
+    global _original_backward
+    with _backward_patch_lock:
+        _backward_runtimes.discard(runtime)
+        if _original_backward is not None and not len(_backward_runtimes):
+            torch.autograd.backward, _original_backward = _original_backward, None
+
+
 class SimRuntime:
     is_async = True
     pinned_rounds_to_power_of_two = True  # as CUDA's host caching allocator (testing/host_memory.py)
@@ -261,10 +386,14 @@ class SimRuntime:
     name = "sim:0"
 
     _shared: Optional["SimRuntime"] = None
+    _shared_options: dict = {}
     _shared_lock = threading.Lock()
 
     def __init__(self, main_thread: Optional[threading.Thread] = None, host_budget_bytes: Optional[int] = None,
-                 strict_pinned: bool = False):
+                 strict_pinned: bool = False, side_streams: int = SIDE_STREAMS):
+        if side_streams < 1:
+            raise ValueError(f"side_streams={side_streams}: the simulated device needs at least 1 side stream.")
+        self.side_streams = side_streams
         self.device = torch.device("cpu")
         self.errors: list[SimRaceError] = []
         self.host_memory = SimHostMemory(host_budget_bytes)  # pinned allocator, host budget
@@ -286,30 +415,46 @@ class SimRuntime:
         self._param_writes: dict[int, str] = {}  # storage key -> label: pending copies into parameters
         self._pending_param_copies: dict[int, int] = {}  # storage key -> how many
         self._check: Optional[_ParamAccessCheck] = None  # pushed on the main thread while any are pending
+        self._backward_thread: Optional[_AutogradDeviceThread] = None
+        self._blocking_waits: Counter = Counter()  # thread ident -> host-blocking waits
 
     @classmethod
     def shared(cls) -> "SimRuntime":
         """The process-wide simulated device (its main thread is the interpreter's)."""
         with cls._shared_lock:
             if cls._shared is None:
-                cls._shared = cls(main_thread=threading.main_thread(), host_budget_bytes=budget_from_env())
+                options = {"host_budget_bytes": budget_from_env(), **cls._shared_options}
+                cls._shared = cls(main_thread=threading.main_thread(), **options)
             return cls._shared
 
     @classmethod
-    def reset_shared(cls) -> None:
+    def reset_shared(cls, **options) -> None:
+        """Drop the shared device; the next `shared()` is built with `options` (e.g. side_streams)."""
         with cls._shared_lock:
             old, cls._shared = cls._shared, None
+            cls._shared_options = dict(options)
         if old is not None:
             old.close()
 
     def close(self) -> None:
-        """Remove the global forward hook (it also goes when the runtime is collected)."""
+        """Remove the global forward hook and the backward patch (they also go when the runtime
+        is collected), and stop the autograd device thread."""
+        _uninstall_backward(self)
+        if self._backward_thread is not None:
+            self._backward_thread.stop()
+            self._backward_thread = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         self._param_writes.clear()
         self._pending_param_copies.clear()
         self._arm_check()
+
+    def _autograd_thread(self) -> _AutogradDeviceThread:
+        with self._lock:
+            if self._backward_thread is None:
+                self._backward_thread = _AutogradDeviceThread(self)
+            return self._backward_thread
 
     # ----------------------------------------------------------------- the seam
     def host_empty(self, numel: int, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
@@ -366,18 +511,31 @@ class SimRuntime:
                 register = torch.nn.modules.module.register_module_forward_hook
                 self._hook = register(functools.partial(_forward_hook, weakref.ref(self)))
                 weakref.finalize(self, self._hook.remove)
+                _install_backward(self)
 
     def current_stream(self) -> SimStream:
         return self._threads.stream or self.compute
 
     def new_stream(self) -> SimStream:
+        """The next side stream of the pool, round robin: it may be one already handed out."""
         with self._lock:
-            stream = SimStream(self, len(self._streams))
-            self._streams.append(stream)
-            return stream
+            if len(self._streams) <= self.side_streams:
+                stream = SimStream(self, len(self._streams))
+                self._streams.append(stream)
+                return stream
+            self._next_side = getattr(self, "_next_side", 0) % self.side_streams + 1
+            return self._streams[self._next_side]
 
     def new_event(self, timing: bool = False) -> SimEvent:
-        return SimEvent(self)
+        return SimEvent(self, timing)
+
+    def blocking_waits(self, thread: Optional[threading.Thread] = None) -> int:
+        """Host-blocking waits issued by `thread` (default: the calling thread) so far."""
+        with self._lock:
+            return self._blocking_waits[(thread or threading.current_thread()).ident]
+
+    def _count_blocking_wait(self) -> None:
+        self._blocking_waits[threading.get_ident()] += 1
 
     @contextlib.contextmanager
     def on_stream(self, stream: SimStream) -> Iterator[None]:
@@ -407,9 +565,14 @@ class SimRuntime:
                 return
             dst_buf, src_buf = self._owner(dst), self._owner(src)
             kind = f"{'host' if src_buf is None else 'device'}->{'host' if dst_buf is None else 'device'} copy"
+            host_sides = [t for t, buf in ((dst, dst_buf), (src, src_buf)) if buf is None]
+            nbytes = dst.numel() * dst.element_size()
+            stream.device_ms += KERNEL_MS + nbytes / (LINK_BYTES_PER_MS if host_sides else COMPUTE_BYTES_PER_MS)
             if stream.is_compute:
                 uses = [(buf, _storage_key(t)) for t, buf in ((dst, dst_buf), (src, src_buf)) if buf is not None]
                 self._fail(*self._missing_records(uses, stream, f"{kind} on {stream.label}"))
+                if len(host_sides) == 1 and _storage_key(host_sides[0]) not in self._pinned:
+                    self._count_blocking_wait()  # pageable host memory: CUDA's copy blocks the caller
                 dst.copy_(src)  # on the user's tensor: a compute write bumps its version, as a kernel's would
                 return
             self._merge_thread_into(stream)
@@ -417,7 +580,6 @@ class SimRuntime:
                 self._check_raw(src, src_buf, stream, kind)
             if dst_buf is not None:
                 self._check_war(dst, stream, kind)
-            host_sides = [t for t, buf in ((dst, dst_buf), (src, src_buf)) if buf is None]
             pageable = [t for t in host_sides if _storage_key(t) not in self._pinned]
             if self.strict_pinned and pageable and len(host_sides) == 1:
                 self._fail(f"strict pinned mode: the {kind} on {stream.label} has a pageable host side, "
@@ -429,6 +591,7 @@ class SimRuntime:
                        self._label(src, src_buf))
             self._order_pending_readers(op)
             if sync:  # pageable host memory: the stream's work first, then the copy, blocking the caller
+                self._count_blocking_wait()
                 self._run_until(stream, stream.issued)
                 self._append(stream, op)
                 self._run_until(stream, stream.issued)
@@ -459,6 +622,7 @@ class SimRuntime:
         """Run every queue to its end; the calling thread then knows all of it completed."""
         with self._lock:
             self._settle()
+            self._count_blocking_wait()
             for stream in list(self._streams[1:]):
                 self._run_until(stream, stream.issued)
                 self._merge_into_thread(stream.seen_compute)
@@ -480,6 +644,7 @@ class SimRuntime:
                 self._check_thread_device("an event record")
             stream = stream or self.current_stream()
             event.stream = stream
+            event.device_ms = stream.device_ms
             if stream.is_compute:
                 for buf in [*self._allocations.values(), *self._params.values()]:
                     self._scan_writes(buf)
@@ -501,13 +666,30 @@ class SimRuntime:
             self._settle()
             if event.stream is None:
                 return
+            self._count_blocking_wait()
             self._run_until(event.stream, event.position)
             self._merge_into_thread(event.seen_compute)
             self._arm_check()
 
+    def _elapsed_time(self, start: SimEvent, end: SimEvent) -> float:
+        if not (start.timing and end.timing):
+            raise RuntimeError("elapsed_time: both events must be created with timing=True (CUDA: "
+                               "enable_timing=True); create them with runtime.new_event(timing=True).")
+        if start.stream is None or end.stream is None:
+            raise RuntimeError("elapsed_time: both events must be recorded before calculating elapsed time.")
+        if not (self._event_query(start) and self._event_query(end)):
+            raise RuntimeError("elapsed_time: both events must be completed before calculating elapsed time "
+                               "(synchronize the later one, or wait until query() is True).")
+        return end.device_ms - start.device_ms
+
+    def _advance_compute(self, ms: float) -> None:
+        with self._lock:
+            self.compute.device_ms += ms
+
     def _stream_synchronize(self, stream: SimStream) -> None:
         with self._lock:
             self._settle()
+            self._count_blocking_wait()
             self._run_until(stream, stream.issued)
             self._merge_into_thread(stream.seen_compute)
             self._arm_check()
@@ -518,6 +700,7 @@ class SimRuntime:
             self._check_thread_device("a stream wait")
             if event.stream is None:
                 return
+            waiter.device_ms = max(waiter.device_ms, event.device_ms)
             if waiter.is_compute:  # compute is eager: waiting means the producer runs now
                 self._run_until(event.stream, event.position)
                 self._arm_check()
@@ -638,15 +821,16 @@ class SimRuntime:
     def _note_forward(self, module: torch.nn.Module) -> None:
         with self._lock:
             self._arm_check()
-            touched = False
+            touched = 0
             compiled = isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
             for p in (module.parameters() if compiled else module._parameters.values()):
                 buf = self._params.get(id(p)) if p is not None else None
                 if buf is not None and buf.ref() is p:
                     buf.last_read = self.compute_clock
-                    touched = True
+                    touched += p.numel() * p.element_size()
             if touched:
                 self.compute_clock += 1
+                self.compute.device_ms += KERNEL_MS + touched / COMPUTE_BYTES_PER_MS
 
     def _settle(self) -> None:
         """Handle buffers freed since the last call (finalizers only queue them)."""
