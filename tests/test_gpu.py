@@ -242,7 +242,8 @@ def test_host_buffers_are_pinned_as_the_cast_policy_says_and_copies_use_side_str
                 assert not pageable, (where, pageable[:3])
                 assert engine.step_returns_early
                 assert all(isinstance(rt.h2d_event, torch.Event) for rt in host), where
-            assert opt.counters.bytes_d2h > 0 and opt.counters.bytes_h2d > 0, where
+            if ON_CUDA or dtype != "fp32":  # fp32 on the CPU: the parameters are the masters, nothing moves
+                assert opt.counters.bytes_d2h > 0 and opt.counters.bytes_h2d > 0, where
 
 
 def test_the_next_forward_sees_the_updated_weights():
