@@ -45,3 +45,19 @@ def test_the_rehearsal_runs_every_stage_writes_every_result_and_fails_on_a_faile
     link = json.loads((out / "link.json").read_text())
     assert link
     assert "gpu_check (rehearse): FAILED" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_peers_rehearsal_runs_e2e_with_whichever_peers_import(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out),
+               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_peers.sh"), "--rehearse"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=290)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["stage"] for s in summary["stages"]] == ["peers", "e2e"] and summary["passed"] is True
+    rows = json.loads((out / "e2e.json").read_text())["rows"]
+    assert any(r["contender"].startswith("superoffload") and r["status"] == "ok" for r in rows)
+    assert "| contender |" in (out / "summary.md").read_text()
