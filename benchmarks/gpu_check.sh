@@ -39,10 +39,10 @@ PY=python3  # the GPU machine's image has no `python`
 if [ "$REHEARSE" = 1 ]; then
   BUDGET=${GPU_CHECK_BUDGET_S:-240}
   export SUPEROFFLOAD_SIM_DEVICE=1 SUPEROFFLOAD_GPU_TEST_DEVICE=cpu
-  SANITIZER=0  # the stream sanitizer needs CUDA: the stage runs the tests plainly
+  SANITIZER=(env -u TORCH_CUDA_SANITIZER)  # it needs CUDA (and any value, even 0, turns it on)
 else
   BUDGET=${GPU_CHECK_BUDGET_S:-540}
-  SANITIZER=1
+  SANITIZER=(env TORCH_CUDA_SANITIZER=1)
 fi
 MODE=$([ "$REHEARSE" = 1 ] && echo rehearse || echo gpu)
 RUN_NAME=gpu_check
@@ -75,7 +75,7 @@ if $PY -c "import pytest" 2>/dev/null; then
   PYTEST=($PY -m pytest -o addopts="" -p no:cacheprovider -q -rs -m gpu)
   stage gpu_tests 150 "${PYTEST[@]}" --junitxml="$OUT_DIR/gpu_tests.xml" "${TESTS[@]}"
   # the engine enters the sanitizer in its worker thread too (device/accelerator.py)
-  stage gpu_tests_sanitizer 150 env TORCH_CUDA_SANITIZER=$SANITIZER "${PYTEST[@]}" "${TESTS[@]}"
+  stage gpu_tests_sanitizer 150 "${SANITIZER[@]}" "${PYTEST[@]}" "${TESTS[@]}"
 else
   stage gpu_tests 150 $PY tests/test_gpu.py
 fi
