@@ -1,63 +1,93 @@
 #!/usr/bin/env bash
-# The GPU checks in one script, for a machine with one CUDA GPU and the torch, transformers and
-# accelerate of its image (no network needed); under 8 minutes in all:
-#   1. build (or load from the cache) the GraceAdam kernel and name the back end in use;
-#   2. the GPU-marked tests (pytest -m gpu; tests/test_gpu.py run directly when pytest is absent),
-#      then again under the CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1); test_gpu.py also
-#      checks with torch.cuda.set_sync_debug_mode that the steady-state step never syncs;
-#   3. benchmarks/train_llama.py: a randomly initialised ~1B Llama, bf16, seq 1024 x batch 4,
-#      speculation on and off: step time, tokens/s, peak device memory, host wait.
+# The GPU check: one prepared run for a machine with one CUDA GPU (H200 on PCIe, 16 host cores,
+# python3 with torch / transformers / accelerate, no network), under one whole-script deadline
+# (GPU_CHECK_BUDGET_S, default 540 s = 9 min). Stages, in order of value, each under `timeout`
+# with what is left of the budget (and its own cap), so a run cut short keeps what it measured:
+#   env                  torch, CUDA, the device; the GraceAdam kernel built (or loaded) and named
+#   gpu_tests            tests/test_gpu.py (pytest -m gpu; run directly when pytest is absent)
+#   gpu_tests_sanitizer  the same under the CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1)
+#   train_llama          a ~1B Llama built from LlamaConfig (hidden 2048, 16 layers, intermediate
+#                        5504, vocab 32000), bf16, seq 2048 x batch 1, speculation on/off at
+#                        max_grad_norm 1.0 and 1e3: tokens/s, MFU (against the H200's 989 TFLOPS
+#                        bf16 dense peak), device idle per step, peak device memory and host RSS
+#                        against the dry run's figures, the step timeline (trace.json, timeline.png)
+#   host_adam            benchmarks/adam.py: the host Adam rate on every core, against its targets
+#   link                 superoffload probe: copy bandwidth host->device and device->host
 #
-# usage: benchmarks/gpu_check.sh OUT_DIR
-# Writes OUT_DIR/{kernel,gpu_tests,train_llama}.log, OUT_DIR/train_llama/results.{json,md} and
-# OUT_DIR/summary.md. Exits non-zero when any part fails or runs past its time limit.
-set -uo pipefail
+# usage: benchmarks/gpu_check.sh [--rehearse] [OUT_DIR]
+#   OUT_DIR defaults to $OUT (the folder that comes back from the GPU machine), else
+#   results/gpu_check. Everything goes there: <stage>.log for each stage (also printed),
+#   summary.md and summary.json (rewritten after every stage), gpu_tests.xml,
+#   train_llama/results.{json,md}, train_llama/timeline/, host_adam.json, link.json.
+#   --rehearse: the same stages with the CPU as the device, on the simulated asynchronous
+#   device (SUPEROFFLOAD_SIM_DEVICE=1), tiny sizes, in 1-2 min on 2 cores (the test-suite
+#   runs it: tests/test_gpu_check.py).
+# Exits non-zero when any stage fails or runs out of time; later stages still run.
+# GPU_CHECK_FAIL_STAGE=NAME replaces that stage's command by `false` (to test the verdicts).
+set -u -o pipefail
 
-OUT=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+REHEARSE=0
+if [ "${1:-}" = "--rehearse" ]; then REHEARSE=1; shift; fi
+OUT_DIR=${1:-${OUT:-results/gpu_check}}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
-status=0
-summary="$OUT/summary.md"
-echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$summary"
-$PY -c "import torch; print(f'torch {torch.__version__}, cuda {torch.version.cuda}, ' + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO GPU'))" | tee -a "$summary"
+export PYTHONUNBUFFERED=1
+PY=python3  # the GPU machine's image has no `python`
 
-# part NAME LIMIT_SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log, record the result.
-part() {
-  local name=$1 limit=$2
-  shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  local verdict="ok"
-  if [ "$rc" -ne 0 ]; then
-    verdict="FAILED (exit $rc$([ "$rc" -eq 124 ] && echo ", time limit ${limit}s"))"
-    status=1
-  fi
-  echo "- $name: $verdict in $((SECONDS - start)) s (log: $name.log)" | tee -a "$summary"
-  tail -n 5 "$OUT/$name.log"
-}
+if [ "$REHEARSE" = 1 ]; then
+  BUDGET=${GPU_CHECK_BUDGET_S:-240}
+  export SUPEROFFLOAD_SIM_DEVICE=1 SUPEROFFLOAD_GPU_TEST_DEVICE=cpu
+  SANITIZER=(env -u TORCH_CUDA_SANITIZER)  # it needs CUDA (and any value, even 0, turns it on)
+else
+  BUDGET=${GPU_CHECK_BUDGET_S:-540}
+  SANITIZER=(env TORCH_CUDA_SANITIZER=1)
+fi
+MODE=$([ "$REHEARSE" = 1 ] && echo rehearse || echo gpu)
+RUN_NAME=gpu_check
+. benchmarks/_stages.sh
 
-part kernel 120 $PY -c "
+if [ "$REHEARSE" = 1 ]; then
+  # the test logic on the simulated device, a few of its tests (the whole file is minutes on a CPU)
+  TESTS=(tests/test_gpu.py -k synchronizes)
+  LLAMA=(--tiny --steps 2 --warmup 1)
+  ADAM=(--sizes 1M --reps 2 --warmup 1 --threads 2 --no-targets --only grad)  # grad: no roofline build
+  PROBE=(--device cpu --quick)
+else
+  TESTS=(tests/test_gpu.py)
+  LLAMA=(--hidden 2048 --intermediate 5504 --layers 16 --heads 16 --kv-heads 16 --vocab 32000
+         --seq 2048 --batch 1 --steps 4 --warmup 2 --dtype bf16)
+  ADAM=(--sizes 256M,32M --reps 7 --threads "$(nproc)" --only adam)
+  PROBE=()
+fi
+
+stage env 120 $PY -c "
+import torch
 from superoffload_hf.host import kernel
-adam = kernel.get_host_adam('cpp')
-print(kernel.describe(adam))"
+print(f'torch {torch.__version__}, cuda {torch.version.cuda}, '
+      + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'))
+print(kernel.describe(kernel.get_host_adam('cpp')))"
+head -n 1 "$OUT_DIR/env.log" >> "$summary_md"
 
 if $PY -c "import pytest" 2>/dev/null; then
-  # addopts cleared: --strict-markers would reject the timeout marks when pytest-timeout is absent.
-  part gpu_tests 150 $PY -m pytest -o addopts="" -p no:cacheprovider -q -rs -m gpu tests
-  # The same tests under the CUDA stream sanitizer (the engine enters it in its worker thread too).
-  part gpu_tests_sanitizer 200 env TORCH_CUDA_SANITIZER=1 $PY -m pytest -o addopts="" -p no:cacheprovider -q -rs -m gpu tests
+  # addopts cleared: --strict-markers would reject the timeout marks when pytest-timeout is absent
+  PYTEST=($PY -m pytest -o addopts="" -p no:cacheprovider -q -rs -m gpu)
+  stage gpu_tests 150 "${PYTEST[@]}" --junitxml="$OUT_DIR/gpu_tests.xml" "${TESTS[@]}"
+  # the engine enters the sanitizer in its worker thread too (device/accelerator.py)
+  stage gpu_tests_sanitizer 150 "${SANITIZER[@]}" "${PYTEST[@]}" "${TESTS[@]}"
 else
-  part gpu_tests 150 $PY tests/test_gpu.py
+  stage gpu_tests 150 $PY tests/test_gpu.py
+fi
+grep -E "passed|failed|error" "$OUT_DIR/gpu_tests.log" | tail -n 1 >> "$summary_md"
+
+stage train_llama 240 $PY benchmarks/train_llama.py "${LLAMA[@]}" --max-grad-norm 1.0,1e3 \
+  --timeline-dir "$OUT_DIR/train_llama/timeline" --out "$OUT_DIR/train_llama"
+if [ -f "$OUT_DIR/train_llama/results.md" ]; then
+  { echo; cat "$OUT_DIR/train_llama/results.md"; echo; } >> "$summary_md"
 fi
 
-part train_llama 240 $PY benchmarks/train_llama.py --max-grad-norm 1.0,1e3 --out "$OUT/train_llama"
-if [ -f "$OUT/train_llama/results.md" ]; then
-  { echo; cat "$OUT/train_llama/results.md"; } >> "$summary"
-fi
+stage host_adam 120 $PY benchmarks/adam.py "${ADAM[@]}" --json "$OUT_DIR/host_adam.json"
+stage link 60 $PY -m superoffload_hf.perf.probe "${PROBE[@]}" --json "$OUT_DIR/link.json"
 
-echo "gpu_check: $([ $status -eq 0 ] && echo PASSED || echo FAILED); results in $OUT"
-exit $status
+finish

@@ -34,6 +34,9 @@ from pathlib import Path
 
 import torch
 
+H200_BF16_TFLOPS = 989.0  # NVIDIA's H200 bf16 dense peak (no sparsity), the MFU denominator
+PEAK_TFLOPS = {"H200": H200_BF16_TFLOPS, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0}
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -59,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", default="1e3", help="comma-separated clipping thresholds to run")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--loss-rtol", type=float, default=2e-2)
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help=f"for MFU (default: the bf16 dense peak of a known CUDA device, e.g. H200 {H200_BF16_TFLOPS:g})")
+    p.add_argument("--timeline-dir", default=None,
+                   help="write the first mode's step timeline (trace.json, timeline.png with matplotlib) here")
     args = p.parse_args(argv)
     if args.tiny:
         args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads = 64, 128, 2, 4, 2
@@ -96,7 +103,26 @@ def sync(args) -> None:
         torch.cuda.synchronize()  # benchmark timing only: measure finished work
 
 
-def run_mode(args, speculation: str, max_grad_norm: float) -> dict:
+def peak_tflops(args) -> float:
+    """The bf16 dense peak MFU is measured against: --peak-tflops, else the known CUDA device's."""
+    if args.peak_tflops:
+        return args.peak_tflops
+    if not args.device.startswith("cuda") or args.dtype != "bf16":
+        return math.nan
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), math.nan)
+
+
+def predicted_gib(opt) -> dict:
+    """The dry run's figures (engine/memory.py footprint: the arithmetic that sized the buffers)
+    by place: device state (activations and the model's own gradients not included) and host."""
+    rows = opt._engine.footprint()
+    by_place = {place: sum(r.nbytes for r in rows if r.place == place) / 2**30 for place in ("device", "pinned", "host")}
+    return {"predicted_device_state_gib": by_place["device"],
+            "predicted_host_gib": by_place["pinned"] + by_place["host"], "predicted_pinned_gib": by_place["pinned"]}
+
+
+def run_mode(args, speculation: str, max_grad_norm: float, timeline_dir=None) -> dict:
     from superoffload_hf import SuperOffloadAdamW
 
     model = build_model(args)
@@ -104,6 +130,8 @@ def run_mode(args, speculation: str, max_grad_norm: float) -> dict:
     config = {"device_dtype": args.dtype, "speculation": speculation, "rollback": args.rollback,
               "cast": args.cast, "device_buckets": _auto_or_int(args.device_buckets),
               "bucket_size_mb": _auto_or_float(args.bucket_mb)}
+    if timeline_dir is not None:
+        config.update(timeline_dir=str(timeline_dir), timeline_steps=(args.warmup, args.warmup + 1))
     opt = SuperOffloadAdamW(model.parameters(), lr=args.lr, max_grad_norm=max_grad_norm, config=config)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -133,6 +161,10 @@ def run_mode(args, speculation: str, max_grad_norm: float) -> dict:
             "params": n_params,
             "step_seconds": statistics.median(times),
             "tokens_per_second": args.batch * args.seq / statistics.median(times),
+            # MFU = 6 x parameters x tokens/s / the bf16 dense peak (peak_tflops; NaN when unknown)
+            "peak_tflops": peak_tflops(args),
+            "mfu": 6 * n_params * args.batch * args.seq / statistics.median(times) / (peak_tflops(args) * 1e12),
+            **predicted_gib(opt),
             "device_wait_seconds_per_step": statistics.mean(waits),
             "peak_device_memory_gib": _peak_gib(args),
             "losses": losses,
@@ -181,19 +213,21 @@ def _same_losses(results: list[dict], rtol: float) -> list[str]:
 def markdown(args, results: list[dict]) -> str:
     head = (f"{results[0]['params'] / 1e9:.2f}B-parameter Llama, {args.layers} layers, hidden {args.hidden}, "
             f"seq {args.seq} x batch {args.batch}, {args.dtype} on {args.device}")
-    rows = ["| speculation | max_grad_norm | step (s) | predicted (s) | tokens/s | peak device GiB | "
-            "peak host RSS GiB | device idle/step (s) | thread wait/step (s) | spec. steps | rollbacks | "
-            "replays | skips | buckets (device) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| speculation | max_grad_norm | step (s) | predicted (s) | tokens/s | MFU | peak device GiB "
+            "(dry run: state) | peak host RSS GiB (dry run) | device idle/step (s) | thread wait/step (s) | "
+            "spec. steps | rollbacks | replays | skips | buckets (device) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c = r["counters"]
         rows.append(f"| {r['speculation']} | {r['max_grad_norm']:g} | {r['step_seconds']:.3f} | "
-                    f"{r['predicted_step_seconds']:.3f} | {r['tokens_per_second']:.0f} | "
-                    f"{r['peak_device_memory_gib']:.2f} | {r['peak_host_rss_gib']:.2f} | "
+                    f"{r['predicted_step_seconds']:.3f} | {r['tokens_per_second']:.0f} | {_pct(r['mfu'])} | "
+                    f"{r['peak_device_memory_gib']:.2f} ({r['predicted_device_state_gib']:.3f}) | "
+                    f"{r['peak_host_rss_gib']:.2f} ({r['predicted_host_gib']:.3f}) | "
                     f"{r['device_wait_seconds_per_step']:.3f} | {r['thread_wait_seconds_per_step']:.3f} | "
                     f"{c['speculative_steps']} | {c['rollbacks']} | {c['replays']} | {c['skips']} | "
                     f"{r['buckets']} ({r['device_buckets']}) |")
-    return "\n".join([f"# train_llama: {head}", "", *rows, "", f"`{results[0]['summary']}`", ""])
+    mfu = f"MFU = 6 x parameters x tokens/s / {results[0]['peak_tflops']:g} TFLOPS (bf16 dense peak)"
+    return "\n".join([f"# train_llama: {head}", "", *rows, "", mfu, "", f"`{results[0]['summary']}`", ""])
 
 
 def main(argv=None) -> int:
@@ -202,8 +236,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     thresholds = [float(x) for x in str(args.max_grad_norm).split(",")]
-    results = [run_mode(args, mode.strip(), threshold) for threshold in thresholds
-               for mode in args.speculation.split(",")]
+    runs = [(mode.strip(), threshold) for threshold in thresholds for mode in args.speculation.split(",")]
+    results = []
+    for i, (mode, threshold) in enumerate(runs):
+        results.append(run_mode(args, mode, threshold, args.timeline_dir if i == 0 else None))
+        print(f"train_llama: speculation {mode}, max_grad_norm {threshold:g}: "
+              f"{results[-1]['tokens_per_second']:.0f} tokens/s", flush=True)
     problems = check(results, args.loss_rtol)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results,
                                                   "problems": problems}, indent=2))
@@ -212,6 +250,10 @@ def main(argv=None) -> int:
     for problem in problems:
         print(f"FAIL: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.1%}"
 
 
 def _peak_gib(args) -> float:

@@ -20,6 +20,8 @@ except ImportError:  # the GPU image may lack pytest
 
 from superoffload_hf import SuperOffloadAdamW
 
+import _gpu_checks  # tests/ is on sys.path under pytest and when run as a script
+
 DEVICE = os.environ.get("SUPEROFFLOAD_GPU_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE.startswith("cuda")
 LR = 1e-3
@@ -207,20 +209,41 @@ def test_device_resident_buckets_are_stepped_on_the_device():
         assert_all_close(list(model.parameters()), masters, 1e-4, 1e-6, "param")
 
 
-def test_host_buffers_are_pinned_and_copies_use_side_streams():
-    model = tiny_llama()
-    with SuperOffloadAdamW(model.parameters(), lr=LR, config=config(device_dtype="bf16")) as opt:
-        engine = opt._engine
-        host = [rt for rt in engine.runtimes if not rt.bucket.device_resident]
-        assert host and all(rt.bufs.master.device.type == "cpu" for rt in host)
-        if ON_CUDA:
-            assert all(rt.bufs.master.is_pinned() and rt.bufs.grad.is_pinned() for rt in host)
-            assert engine.transfer.d2h != torch.cuda.current_stream() != engine.transfer.h2d
-            assert engine.step_returns_early
-        offload_run(model, opt, steps=2)
-        if ON_CUDA:
-            assert all(isinstance(rt.h2d_event, torch.Event) for rt in host)
-        assert opt.counters.bytes_d2h > 0 and opt.counters.bytes_h2d > 0
+def test_host_buffers_are_pinned_as_the_cast_policy_says_and_copies_use_side_streams():
+    """Each cast policy pins what crosses the link (cast "device": the fp32 master; cast "host":
+    the bf16 copy and the landing buffer, not the master), every host<->device copy reads or
+    writes page-locked host memory (a pageable non-blocking copy blocks the calling thread, and
+    set_sync_debug_mode does not see it), and the copies run on two side streams."""
+    for dtype, cast, micro_batches in (("bf16", "device", 1), ("bf16", "host", 1), ("fp32", "host", 2)):
+        where = f"{dtype}, cast {cast}, {micro_batches} micro-batch(es)"
+        model = tiny_llama()
+        cfg = config(device_dtype=dtype, cast=cast, gradient_accumulation_steps=micro_batches)
+        with SuperOffloadAdamW(model.parameters(), lr=LR, config=cfg) as opt:
+            engine = opt._engine
+            host = [rt for rt in engine.runtimes if not rt.bucket.device_resident]
+            assert host and all(rt.bufs.master.device.type == "cpu" for rt in host), where
+            recorder = _gpu_checks.SeamRecorder(engine.runtime)
+            try:
+                for step in range(2):
+                    for _ in range(micro_batches):
+                        model(input_ids=ids_for(step), labels=ids_for(step)).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                opt.synchronize()
+            finally:
+                recorder.restore()
+            if ON_CUDA:
+                assert any(_gpu_checks.expected_host_pinning(engine).values()), where
+                assert not _gpu_checks.pinning_mismatches(engine, _gpu_checks.cuda_is_pinned), where
+                assert not _gpu_checks.copy_streams_problems(engine), where
+                assert recorder.copies, where
+                pageable = _gpu_checks.pageable_copies(recorder.copies, _gpu_checks.cuda_is_host,
+                                                       _gpu_checks.cuda_is_pinned)
+                assert not pageable, (where, pageable[:3])
+                assert engine.step_returns_early
+                assert all(isinstance(rt.h2d_event, torch.Event) for rt in host), where
+            if ON_CUDA or dtype != "fp32":  # fp32 on the CPU: the parameters are the masters, nothing moves
+                assert opt.counters.bytes_d2h > 0 and opt.counters.bytes_h2d > 0, where
 
 
 def test_the_next_forward_sees_the_updated_weights():

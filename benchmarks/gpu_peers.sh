@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The peers, side by side in one prepared run: benchmarks/e2e.py's table (ours, torch AdamW on the
+# device, torchao CPUOffloadOptimizer, DeepSpeed ZeRO-2/3 offload, DeepSpeed SuperOffload) on the
+# GPU machine, with the peers installed from a folder of wheels carried in the working tree
+# (default wheels/, or $WHEELS; at most 64 MiB; benchmarks/README.md says how to fill it), under
+# one whole-script deadline (GPU_PEERS_BUDGET_S, default 540 s). Stages:
+#   install  pip install --no-index --no-deps --no-build-isolation --target $PEERS_DIR of every
+#            file in the folder (torch stays the machine's; DeepSpeed, an sdist, builds here
+#            without network: its ops JIT-build with ninja at first use)
+#   peers    which peers import, and their versions
+#   e2e      benchmarks/e2e.py --gpu: the table, every row measured or saying why not
+#
+# usage: benchmarks/gpu_peers.sh [--rehearse] [OUT_DIR]
+#   OUT_DIR defaults to $OUT, else results/gpu_peers: <stage>.log, summary.{md,json}, e2e.json.
+#   --rehearse: the CPU, the simulated device, e2e.py --smoke, and no install (unless
+#   GPU_PEERS_INSTALL=1): whichever peers already import run. Exits non-zero when a stage fails.
+set -u -o pipefail
+
+REHEARSE=0
+if [ "${1:-}" = "--rehearse" ]; then REHEARSE=1; shift; fi
+OUT_DIR=${1:-${OUT:-results/gpu_peers}}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-wheels}
+PEERS_DIR=${PEERS_DIR:-/tmp/superoffload_peers}
+export PYTHONPATH="$PWD:$PEERS_DIR${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY=python3  # the GPU machine's image has no `python`
+MODE=$([ "$REHEARSE" = 1 ] && echo rehearse || echo gpu)
+RUN_NAME=gpu_peers
+if [ "$REHEARSE" = 1 ]; then
+  BUDGET=${GPU_PEERS_BUDGET_S:-180}
+  export SUPEROFFLOAD_SIM_DEVICE=1
+  E2E=(--smoke)
+  INSTALL=${GPU_PEERS_INSTALL:-0}
+else
+  BUDGET=${GPU_PEERS_BUDGET_S:-540}
+  E2E=(--gpu)
+  INSTALL=1
+fi
+. benchmarks/_stages.sh
+
+if [ "$INSTALL" = 1 ]; then
+  if compgen -G "$WHEELS/*" > /dev/null; then
+    stage install 240 $PY -m pip install --no-index --no-deps --no-build-isolation --target "$PEERS_DIR" \
+      "$WHEELS"/*
+  else
+    stage install 5 sh -c "echo 'no wheels in $WHEELS: see benchmarks/README.md'; false"
+  fi
+fi
+stage peers 60 $PY -c "
+import importlib
+for name in ('deepspeed', 'torchao'):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as exc:  # a peer that does not import keeps its row, with the reason
+        print(name, 'not importable:', type(exc).__name__, exc)"
+stage e2e 480 $PY benchmarks/e2e.py "${E2E[@]}" --json "$OUT_DIR/e2e.json"
+grep -E "^\|" "$OUT_DIR/e2e.log" >> "$summary_md"
+finish
