@@ -122,6 +122,22 @@ def predicted_gib(opt) -> dict:
             "predicted_host_gib": by_place["pinned"] + by_place["host"], "predicted_pinned_gib": by_place["pinned"]}
 
 
+def _warm_matplotlib() -> None:
+    """Draw once before the first mode: matplotlib's first savefig imports its backend, and that
+    import keeps the frames it ran under, which would keep the mode's optimizer alive after its
+    close() (the timeline is drawn there) and fail the left-behind check below."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    fig.savefig(io.BytesIO(), format="png")
+    plt.close(fig)
+
+
 def run_mode(args, speculation: str, max_grad_norm: float, timeline_dir=None) -> dict:
     from superoffload_hf import SuperOffloadAdamW
 
@@ -238,6 +254,8 @@ def main(argv=None) -> int:
     thresholds = [float(x) for x in str(args.max_grad_norm).split(",")]
     runs = [(mode.strip(), threshold) for threshold in thresholds for mode in args.speculation.split(",")]
     results = []
+    if args.timeline_dir is not None:
+        _warm_matplotlib()
     for i, (mode, threshold) in enumerate(runs):
         results.append(run_mode(args, mode, threshold, args.timeline_dir if i == 0 else None))
         print(f"train_llama: speculation {mode}, max_grad_norm {threshold:g}: "

@@ -238,10 +238,12 @@ class Engine:
     # ---- layout ---------------------------------------------------------------------------
 
     def replan(self, plan) -> None:
-        """Move every parameter's state into the buffers of a new plan (between steps). The
-        caller has synchronized (both do: _learn, and load_state_dict before adopt_learned)."""
+        """Move every parameter's state into the buffers of a new plan (between steps)."""
         if plan == self.plan:
             return
+        # The copy-backs in flight belong to the old runtimes, which no forward waits for after
+        # the move (cheap when the caller has synchronized, as _learn and load_state_dict have).
+        self.synchronize()
         if self.config.host_memory_check:
             check_plan_fits(footprint(plan, self.buckets.policy), self.runtime, sum(p.numel() for p in self.params),
                             held=self.footprint())
