@@ -292,12 +292,25 @@ def test_strict_pinned_mode_rejects_a_non_blocking_copy_with_a_pageable_host_sid
 
 
 @pytest.mark.parametrize("cast", ["device", "host"])
-def test_training_after_step_one_makes_no_pageable_non_blocking_copy(sim, cast):
+def test_training_after_step_one_makes_no_pageable_non_blocking_copy(sim, cast, monkeypatch):
+    """Strict pinned mode on after step 1: every later copy of the engine goes through it (counted)
+    and none of them has a pageable host side (strict mode would raise SimRaceError)."""
+    strict_copies = []
+    issue_copy = sim.copy_
+
+    def counted_copy(dst, src):
+        if sim.strict_pinned:
+            strict_copies.append((dst.numel(), src.numel()))
+        return issue_copy(dst, src)
+
+    monkeypatch.setattr(sim, "copy_", counted_copy)
     model = mlp(depth=6, tied=True)
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config={**SIM_CONFIG, "cast": cast})
     try:
         train(model, opt, 4, after_first=lambda: setattr(sim, "strict_pinned", True))
         opt.synchronize()
+        assert len(strict_copies) > 0, "no copy was checked in strict pinned mode"
+        assert not sim.errors, sim.errors
     finally:
         opt.close()
         sim.strict_pinned = False

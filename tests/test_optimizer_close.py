@@ -14,17 +14,11 @@ import torch
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import make_runtime
 
-pytestmark = [pytest.mark.usefixtures("device_mode"), pytest.mark.timeout(300)]
+from _models import one_torch_thread  # noqa: F401
+
+pytestmark = [pytest.mark.usefixtures("device_mode", "one_torch_thread"), pytest.mark.timeout(300)]
 
 CONFIG = {"device_dtype": "fp32", "bucket_size_mb": 0.002, "host_threads": 1, "device_buckets": 1}
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
