@@ -55,17 +55,20 @@ def supported_isas(grace_adam_extension) -> list:
 def device_mode(request, monkeypatch):
     """Run the test with the CPU as the (synchronous) device, and again on the simulated
     asynchronous device (SUPEROFFLOAD_SIM_DEVICE=1), where a missing synchronisation reads
-    NaN poison or raises SimRaceError. Modules opt in with
+    NaN poison or raises SimRaceError. The simulated device is a rank's device 1, current in the
+    test's thread (as torch.cuda.set_device(local_rank) makes it): every other thread starts on
+    device 0, so an engine thread that does not set its device fails. Modules opt in with
     `pytestmark = pytest.mark.usefixtures("device_mode")`."""
     if request.param == "cpu":
         monkeypatch.delenv(SIM_ENV_VAR, raising=False)
         yield "cpu"
         return
-    from superoffload_hf.testing.sim import SimRuntime
+    from superoffload_hf.testing.sim import SimRuntime, on_device
 
-    SimRuntime.reset_shared()
+    SimRuntime.reset_shared(index=1)
     monkeypatch.setenv(SIM_ENV_VAR, "1")
-    yield "sim"
+    with on_device(1):
+        yield "sim"
     sim = SimRuntime.shared()
     errors = list(sim.errors)
     SimRuntime.reset_shared()

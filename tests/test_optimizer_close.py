@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 
 import pytest
@@ -117,3 +118,23 @@ def test_stepping_a_closed_optimizer_raises_naming_the_fix():
         opt.step()
     with pytest.raises(RuntimeError, match="was closed"):
         opt.state_dict()
+
+
+def test_close_from_another_thread_or_a_finalizer_holds_the_device(device_mode):
+    """close() runs wherever the last reference goes (a finalizer, a closer thread), and that
+    thread starts on device 0 (on the simulated device the parameters are on device 1): close()
+    sets the device itself before it waits for the copy-backs in flight."""
+    model, opt = trained(dict(CONFIG, device_buckets=0))
+    errors = []
+
+    def close():
+        try:
+            opt.close()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    closer = threading.Thread(target=close, name="closer")
+    closer.start()
+    closer.join(60)
+    assert not closer.is_alive() and errors == []
+    assert all(torch.isfinite(p).all() for p in model.parameters())

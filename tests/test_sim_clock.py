@@ -14,7 +14,7 @@ from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import SIM_ENV_VAR
 from superoffload_hf.device.transfer import Transfer
 from superoffload_hf.engine import core
-from superoffload_hf.testing.sim import KERNEL_MS, LINK_BYTES_PER_MS, SimRuntime
+from superoffload_hf.testing.sim import KERNEL_MS, LINK_BYTES_PER_MS, SimRuntime, current_device, on_device
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(300)]
 
@@ -100,17 +100,22 @@ def assert_params_close(got, want):
 
 # ------------------------------------------------------------------- autograd's device thread
 
-def test_backward_runs_the_hooks_on_the_autograd_device_thread_with_the_device_current(rt):
-    model = torch.nn.Linear(3, 2)
-    rt.adopt(list(model.parameters()))
-    seen = []
-    model.weight.register_post_accumulate_grad_hook(
-        lambda p: seen.append((threading.current_thread(), rt._threads.device_depth, rt.current_stream())))
-    model(torch.ones(1, 3)).sum().backward()
-    (thread, depth, stream), = seen
-    assert thread is not threading.current_thread() and thread.name.startswith("autograd device thread")
-    assert depth > 0 and stream is rt.compute
-    assert model.weight.grad is not None
+def test_backward_runs_the_hooks_on_the_autograd_device_thread_with_the_device_current():
+    rt = SimRuntime(index=1)  # a rank's device: the autograd thread starts on device 0 and must set it
+    try:
+        with on_device(1):
+            model = torch.nn.Linear(3, 2)
+            rt.adopt(list(model.parameters()))
+            seen = []
+            model.weight.register_post_accumulate_grad_hook(
+                lambda p: seen.append((threading.current_thread(), current_device(), rt.current_stream())))
+            model(torch.ones(1, 3)).sum().backward()
+        (thread, device, stream), = seen
+        assert thread is not threading.current_thread() and thread.name.startswith("autograd device thread")
+        assert device == 1 and stream is rt.compute
+        assert model.weight.grad is not None
+    finally:
+        rt.close()
 
 
 def test_backward_hands_the_hook_s_exception_to_the_caller(rt):

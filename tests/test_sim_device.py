@@ -11,6 +11,7 @@ import torch
 
 from superoffload_hf.device.transfer import SYNCS, Transfer
 from superoffload_hf.testing import SimRaceError, SimRuntime
+from superoffload_hf.testing.sim import current_device, on_device, set_device
 
 pytestmark = pytest.mark.sim
 
@@ -363,8 +364,19 @@ def test_current_stream_is_per_thread(rt):
     assert rt.current_stream() is rt.compute
 
 
+@pytest.fixture
+def rank_rt():
+    """A rank's device that is not device 0, current in the test's (main) thread as
+    torch.cuda.set_device(local_rank) makes it."""
+    runtime = SimRuntime(index=1)
+    with on_device(1):
+        yield runtime
+    runtime.close()
+
+
 @pytest.mark.parametrize("guarded", [True, False])
-def test_worker_thread_needs_the_device_guard(rt, guarded):
+def test_worker_thread_needs_the_device_guard(rank_rt, guarded):
+    rt = rank_rt
     stream = rt.new_stream()
     dst = device_on(rt, stream, 1)
     src = filled(rt, [1.0])
@@ -378,8 +390,60 @@ def test_worker_thread_needs_the_device_guard(rt, guarded):
         rt.synchronize_all()
         assert dst.item() == 1.0
     else:
-        with pytest.raises(SimRaceError, match="enter the device guard"):
+        with pytest.raises(SimRaceError, match="issues a copy on sim:1 but its current device is sim:0"):
             in_thread(work)
+
+
+def test_a_new_thread_starts_on_device_0_whatever_its_creator_had_current():
+    seen = []
+    with on_device(3):
+        assert current_device() == 3
+        in_thread(lambda: seen.append(current_device()))
+    assert seen == [0] and current_device() == 0
+
+
+@pytest.mark.parametrize("what", ["allocation", "new stream", "event record", "stream wait", "copy"])
+def test_work_for_a_device_issued_from_a_thread_on_another_device_fails_naming_both(rank_rt, what):
+    rt = rank_rt
+    stream, event = rt.new_stream(), rt.new_event()
+    dst, src = device_on(rt, stream, 1), filled(rt, [1.0])
+
+    def copy():
+        with rt.on_stream(stream):
+            rt.copy_(dst, src)
+
+    issue = {"allocation": lambda: rt.device_empty(4, torch.float32), "new stream": rt.new_stream,
+             "event record": lambda: event.record(stream), "stream wait": lambda: stream.wait_event(event),
+             "copy": copy}[what]
+    with pytest.raises(SimRaceError, match=f"issues an? {what} on sim:1 but its current device is sim:0"):
+        in_thread(issue)
+    errors = len(rt.errors)  # the same call from a thread holding the device: fine
+
+    def guarded():
+        with rt.thread_device():
+            issue()
+
+    in_thread(guarded)
+    assert len(rt.errors) == errors
+
+
+def test_on_device_0_a_new_thread_needs_no_guard_as_on_cuda(rt):
+    stream = rt.new_stream()
+    dst, src = device_on(rt, stream, 1), filled(rt, [2.0])
+
+    def work():
+        with rt.on_stream(stream):
+            rt.copy_(dst, src)
+
+    in_thread(work)
+    rt.synchronize_all()
+    assert dst.item() == 2.0 and not rt.errors
+
+
+def test_the_device_index_is_checked():
+    with pytest.raises(ValueError, match="index=-1"):
+        SimRuntime(index=-1)
+    assert SimRuntime(index=2).name == "sim:2"
 
 
 class _nothing:
@@ -432,8 +496,11 @@ def _transfer_round(omitted=(), optimizer_first=False, reuse_slot=False):
     next optimizer write (`optimizer_first`: that write comes before the compute stream waits).
     `reuse_slot`: backward writes the next round into the same slot (a ring of one) before the
     worker has waited for the first copy.
-    Returns (the landed gradient, the parameters the compute stream reads)."""
-    rt = SimRuntime()
+    Returns (the landed gradient, the parameters the compute stream reads). The device is a
+    rank's device 1 (current in this thread; the worker threads start on device 0)."""
+    rt = SimRuntime(index=1)
+    previous = current_device()
+    set_device(1)
     try:
         model = torch.nn.Linear(3, 2)
         params = list(model.parameters())
@@ -474,6 +541,7 @@ def _transfer_round(omitted=(), optimizer_first=False, reuse_slot=False):
             in_thread(next_optimizer_write)
         return out["grad"], read
     finally:
+        set_device(previous)
         rt.close()
 
 

@@ -22,7 +22,7 @@ from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import SIM_ENV_VAR
 from superoffload_hf.device.transfer import GRAD_RING_SLOTS, SYNCS
 from superoffload_hf.engine.worker import HostWorker
-from superoffload_hf.testing.sim import SimRaceError, SimRuntime
+from superoffload_hf.testing.sim import SimRaceError, SimRuntime, on_device
 
 from _models import RelativeMaxNorm, engine_config, micro_batches, read_params, tiny_llama
 
@@ -97,9 +97,12 @@ def expected() -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def sim(monkeypatch):
-    SimRuntime.reset_shared()
+    """The shared simulated device as a rank's device 1, current in the training thread (as
+    torch.cuda.set_device(local_rank) makes it): the engine's own threads start on device 0."""
+    SimRuntime.reset_shared(index=1)
     monkeypatch.setenv(SIM_ENV_VAR, "1")
-    yield SimRuntime.shared()
+    with on_device(1):
+        yield SimRuntime.shared()
     SimRuntime.reset_shared()
 
 

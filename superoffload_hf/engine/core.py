@@ -34,7 +34,7 @@ from superoffload_hf.engine.autoplan import measured_machine, measured_workload
 from superoffload_hf.engine.buckets import BucketSet
 from superoffload_hf.engine.collect import Collector
 from superoffload_hf.engine.commit import Committer
-from superoffload_hf.engine.dp import DataParallel, check_not_ddp
+from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_ddp, sharding
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
@@ -89,10 +89,10 @@ class Engine:
         collectives = Collectives.create(process_group, numa_node=numa_node)
         self.layout = LayoutBuilder(self.params, param_groups, config,
                                     inline_host=self.runtime.host_is_device and collectives is None)
-        self.dp: Optional[DataParallel] = None if collectives is None else DataParallel(collectives, self)
+        self.dp: Optional[DataParallel] = None  # built below, from the parts it uses
         check_not_ddp(self.params)
-        if self.dp is not None:
-            self.dp.broadcast_params(self.params)
+        if collectives is not None:
+            broadcast_params(collectives, self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
         self.cast = self.layout.resolve_cast(self.transfer)
         self.host_threads_note = "set"
@@ -118,9 +118,9 @@ class Engine:
         buffers = self.layout.buffer_policy(self.cast, self.transfer.pin_memory,
                                             self.runtime.pinned_rounds_to_power_of_two,
                                             host_is_device=self.runtime.host_is_device,
-                                            shard_world=None if self.dp is None else self.dp.world)
+                                            shard_world=None if collectives is None else collectives.topology.shard_world)
         self.buckets = BucketSet(self.params, buffers, self.runtime,
-                                 shard_of=None if self.dp is None else self.dp.shard)
+                                 shard_of=None if collectives is None else sharding(collectives))
         initial = self.layout.initial_plan()
         if config.host_memory_check:  # before anything is allocated: refuse with the table, not the OOM killer
             check_plan_fits(footprint(initial, buffers), self.runtime, sum(p.numel() for p in self.params))
@@ -131,16 +131,19 @@ class Engine:
         self.step_state = StepState(param_groups, self.buckets.param_steps, self.loss_scale)
         # max_grad_norm (the optimizer keeps it current), sync_source, fire_log (None once
         # learned; data parallel: the initial plan on every rank, no re-planning)
-        self.live = LiveInputs(fire_log=None if self.dp else FireLog(len(self.params), self.runtime))
+        self.live = LiveInputs(fire_log=None if collectives else FireLog(len(self.params), self.runtime))
         self._host_seconds_before_learning = counters.host_step_seconds
         self.learned: Optional[dict] = None  # the learned plan's inputs, for checkpoints
         self.worker = InlineWorker() if self.runtime.host_is_device else HostWorker()
         if placement is not None and not self.runtime.host_is_device:  # the worker thread calls the kernel
             self.worker.submit(functools.partial(bind_current_thread, placement.cores), Pending())
-        if self.dp is not None:
-            self.jobs.gather = self.dp.gather_back
         self.reads = ModuleReads(self.params)
         self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, None, self.reads)  # reopen set below
+        if collectives is not None:
+            self.dp = DataParallel(collectives, params=self.params, buckets=self.buckets, transfer=self.transfer,
+                                   runtime=self.runtime, worker=self.worker, jobs=self.jobs, waiter=self.waiter,
+                                   step_state=self.step_state, counters=counters)
+            self.jobs.gather = weak_method(self.dp.gather_back)  # weakly: the data-parallel part holds the jobs
         self.handles: list = []
         self.unhooked: list = []
         # The parts get the collaborators they use, never the engine: no reference cycle, so a
@@ -152,6 +155,8 @@ class Engine:
             host_is_device=self.runtime.host_is_device, policy=self.policy, loss_scale=self.loss_scale, dp=self.dp,
             observer=self.observer, live=self.live, unhooked=self.unhooked, handles=self.handles)
         self.waiter.reopen = weak_method(self.collector.reopen)  # weakly: the collector holds the waiter
+        if self.dp is not None:
+            self.dp.collector = weakref.proxy(self.collector)  # weakly: the collector holds the dp part
         self.committer = Committer(
             buckets=self.buckets, worker=self.worker, jobs=self.jobs, waiter=self.waiter, step_state=self.step_state,
             counters=counters, adamw=adamw, dp=self.dp, policy=self.policy, loss_scale=self.loss_scale)
@@ -356,6 +361,10 @@ class Engine:
     def close(self) -> None:
         """Stop the worker, remove the hooks, and free every buffer (host arenas, device buffers,
         the transfer's ring and staging) now, whoever still holds the optimizer."""
+        with self.runtime.thread_device():  # it may run on any thread: a finalizer, a user's closer
+            self._close()
+
+    def _close(self) -> None:
         remove_handles(self.handles)
         try:
             if self.worker.failure is None:
@@ -368,5 +377,7 @@ class Engine:
             self.closed = True
             self.waiter.inflight.clear()
             self.buckets.release()
+            if self.dp is not None:
+                self.dp.release()
             self.transfer.reserve(0)  # the gradient ring and the copy-back staging buffers go
             self.runtime.host_empty_cache()  # page-locked blocks freed so far go back to the system

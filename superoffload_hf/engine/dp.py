@@ -66,13 +66,13 @@ import functools
 import logging
 import time
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
-from superoffload_hf.engine.shard import Shard, shard_of
+from superoffload_hf.engine.shard import shard_of
 from superoffload_hf.engine.shard_checkpoint import RangeSource, is_shard_state, shard_state_dict
 
 logger = logging.getLogger("superoffload_hf")
@@ -105,12 +105,30 @@ def check_not_ddp(params) -> None:
                 "optimizer from the unwrapped model's parameters and train the unwrapped model.")
 
 
+def sharding(collectives) -> Callable:
+    """bucket -> this rank's Shard of it (for BucketSet, which is built before DataParallel)."""
+    t = collectives.topology
+    return functools.partial(shard_of, rank=t.shard_rank, world=t.shard_world)
+
+
+def broadcast_params(collectives, params) -> None:
+    """Every rank starts from rank 0's weights, as DDP does at construction."""
+    with torch.no_grad():
+        collectives.broadcast([p.detach() for p in params])
+
+
 class DataParallel:
-    def __init__(self, collectives, engine):
-        self.coll = collectives
-        self.engine = engine  # read at use (buckets, worker, waiter, step state)
+    def __init__(self, collectives, *, params, buckets, transfer, runtime, worker, jobs, waiter, step_state,
+                 counters):
+        # The collaborators it uses, never the engine: a dropped (or closed) data-parallel
+        # optimizer frees its buffers without the cyclic collector. `collector` (which holds this
+        # object) is set by the engine once built, as a weak proxy.
+        self.coll, self.params, self.buckets, self.transfer, self.runtime = collectives, params, buckets, transfer, runtime
+        self.worker, self.jobs, self.waiter, self.step_state, self.counters = worker, jobs, waiter, step_state, counters
+        self.collector = None
         t = collectives.topology
         self.rank, self.world = t.shard_rank, t.shard_world
+        self.shard = sharding(collectives)
         # Launch order (module docstring). Global: the same on every rank, from the plan and
         # presence results only. Host buckets (by index) without a gradient on any rank at the
         # last step: launched after presence, not during backward.
@@ -134,23 +152,12 @@ class DataParallel:
         self._gathers_queued = False
         collectives.before_training = weakref.WeakMethod(self._wait_for_queued_gathers)
 
-    def shard(self, bucket) -> Shard:
-        return shard_of(bucket, self.rank, self.world)
-
     def describe(self) -> str:
-        return f"data parallel {self.coll.describe()}, {self.engine.buckets.shard_numel()} host elements here"
-
-    # ---- construction -------------------------------------------------------------------------
-
-    def broadcast_params(self, params) -> None:
-        """Every rank starts from rank 0's weights, as DDP does at construction."""
-        with torch.no_grad():
-            self.coll.broadcast([p.detach() for p in params])
+        return f"data parallel {self.coll.describe()}, {self.buckets.shard_numel()} host elements here"
 
     # ---- training thread: gradients in ---------------------------------------------------------
 
     def collect(self, rt: BucketRuntime, k: int, grad: torch.Tensor) -> None:
-        e = self.engine
         if rt.launched or rt.bucket.index in self._ready:
             raise GradientAfterLaunchError(
                 f"A gradient for parameter {rt.bucket.slots[k].index} arrived after its bucket "
@@ -160,11 +167,11 @@ class DataParallel:
                 "`gradient_accumulation_steps` (or Accelerate's accumulation) to the number of backward "
                 "passes per step, and run a forward between backward and step() only in no_grad.")
         if rt.state is not BucketState.COLLECTING:
-            e.waiter.wait_idle(rt)  # the bucket's last copy-back / step jobs read its buffers
+            self.waiter.wait_idle(rt)  # the bucket's last copy-back / step jobs read its buffers
             rt.move(BucketState.COLLECTING)
         slot = rt.bucket.slots[k]
         if rt.round_dev is None:
-            rt.round_dev = e.transfer.device_empty(rt.shard.padded_numel, e.collector.link_dtype).zero_()
+            rt.round_dev = self.transfer.device_empty(rt.shard.padded_numel, self.collector.link_dtype).zero_()
         if rt.present[k] and rt.round_dev.dtype != FP32:
             rt.round_dev = rt.round_dev.float()  # accumulation over micro-batches in fp32
         view = BucketBuffers.view(rt.round_dev, slot)
@@ -176,7 +183,7 @@ class DataParallel:
         rt.fires[k] += 1
         if rt.round_complete:
             rt.round_fired = [False] * len(rt.bucket.slots)
-            if rt.bucket.speculative and e.collector._is_last_micro_batch(rt):
+            if rt.bucket.speculative and self.collector._is_last_micro_batch(rt):
                 self._ready.add(rt.bucket.index)
                 self._ready_seq.append(rt.bucket.index)
                 self._launch_in_order()
@@ -186,7 +193,7 @@ class DataParallel:
         rank (deferred buckets, and those without a gradient anywhere at the last step, launch at
         step(), after presence)."""
         if self._order is None:
-            host = list(self.engine.buckets.host())
+            host = list(self.buckets.host())
             if self._learned is not None:
                 rank = {index: position for position, index in enumerate(self._learned)}
                 host.sort(key=lambda rt: rank.get(rt.bucket.index, len(rank) + rt.bucket.index))
@@ -197,7 +204,7 @@ class DataParallel:
     def _learn_order(self, completed: list[int]) -> None:
         """Once, at the first step with gradients (a collective on the control group, at the same
         point on every rank): rank 0's completion order becomes every rank's launch order."""
-        host = [rt.bucket.index for rt in self.engine.buckets.host()]
+        host = [rt.bucket.index for rt in self.buckets.host()]
         seq = self.coll.broadcast_ints(completed, len(host))
         if seq:  # rank 0 saw buckets complete during backward; the rest follow in plan order
             self._learned = seq + [i for i in host if i not in seq]
@@ -209,7 +216,7 @@ class DataParallel:
         while self._launched < len(order) and order[self._launched].bucket.index in self._ready:
             rt = order[self._launched]
             self._launched += 1
-            self.launch(rt, self.engine.collector._speculative_call(rt))
+            self.launch(rt, self.collector._speculative_call(rt))
 
     def launch(self, rt: BucketRuntime, spec) -> None:
         """Reduce-scatter the bucket; its shard to the host; queue the shard's norm (and step)."""
@@ -218,47 +225,44 @@ class DataParallel:
     def _send(self, rt: BucketRuntime) -> tuple:
         """The bucket's reduce-scatter and the shard's copy to the host (LAUNCHED); returns what
         the receive job needs."""
-        e = self.engine
-        link = e.collector.link_dtype
+        link = self.collector.link_dtype
         flat = rt.round_dev
         if flat is None:  # no gradient here, but on another rank: this rank adds zeros
-            flat = e.transfer.device_empty(rt.shard.padded_numel, link).zero_()
+            flat = self.transfer.device_empty(rt.shard.padded_numel, link).zero_()
         rt.round_dev = None
         if flat.dtype != link:
             flat = flat.to(link)
-        shard_dev = e.transfer.device_empty(rt.shard.numel, link)
+        shard_dev = self.transfer.device_empty(rt.shard.numel, link)
         self._host_collective_ready()
         self.coll.reduce_scatter_mean(flat, shard_dev)
         landed = rt.bufs.grad if link == FP32 else rt.bufs.recv_buffer(link)
         issued = time.perf_counter()
-        event = e.transfer.grad_to_host(shard_dev, landed)
-        e.runtime.record_stream(shard_dev, e.transfer.d2h)  # dropped now; not reused while d2h reads it
-        e.counters.bytes_d2h += shard_dev.numel() * shard_dev.element_size()
+        event = self.transfer.grad_to_host(shard_dev, landed)
+        self.runtime.record_stream(shard_dev, self.transfer.d2h)  # dropped now; not reused while d2h reads it
+        self.counters.bytes_d2h += shard_dev.numel() * shard_dev.element_size()
         rt.staged = True
         rt.move(BucketState.LAUNCHED)
         rt.norm_ready.clear()
         return landed, event, issued
 
     def _queue_jobs(self, rt: BucketRuntime, sent: tuple, spec) -> None:
-        e = self.engine
         landed, event, issued = sent
-        jobs = [functools.partial(e.jobs.receive, rt, landed, event, True, True, issued),
-                functools.partial(e.jobs.launch, rt, spec, e.step_state.budget)]
-        e.worker.submit(lambda: [job() for job in jobs], rt.pending)
+        jobs = [functools.partial(self.jobs.receive, rt, landed, event, True, True, issued),
+                functools.partial(self.jobs.launch, rt, spec, self.step_state.budget)]
+        self.worker.submit(lambda: [job() for job in jobs], rt.pending)
 
     def finish(self) -> bool:
         """At step(): launch the rest of the launch order (zeros where this rank has no
         gradient), agree on which parameters have a gradient anywhere, launch the late buckets
         some rank has a gradient for, average the device-resident buckets' gradients; every
         collective in the same order on every rank. False when no rank had any gradient."""
-        e = self.engine
         rest = self._launch_order()[self._launched:]
         self._log_held(rest)
         # Sent before presence: a peer may already wait inside one of these reduce-scatters.
         sent = [(rt, self._send(self._collecting(rt))) for rt in rest]
         anywhere = self.presence()
         present = {rt.bucket.index: [bool(anywhere[s.index]) for s in rt.bucket.slots]
-                   for rt in e.buckets.runtimes}
+                   for rt in self.buckets.runtimes}
         completed = self._ready_seq
         self._new_step()
         if not bool(anywhere.any()):  # (an empty step says nothing about which buckets go unused)
@@ -267,7 +271,7 @@ class DataParallel:
             return False
         if self._learned is None:
             self._learn_order(completed)
-        host = list(e.buckets.host())
+        host = list(self.buckets.host())
         self._unused_last_step = frozenset(rt.bucket.index for rt in host if not any(present[rt.bucket.index]))
         for rt, copy in sent:  # stepped where some rank has a gradient (zeros from the others)
             rt.present = present[rt.bucket.index]
@@ -289,12 +293,12 @@ class DataParallel:
         if not self._gathers_queued:
             return
         self._gathers_queued = False
-        for rt in self.engine.buckets.host():
-            self.engine.waiter.wait_idle(rt)
+        for rt in self.buckets.host():
+            self.waiter.wait_idle(rt)
 
     def _average_device_buckets(self, present: dict) -> None:
         """In bucket order, after presence: the same collectives on every rank."""
-        for rt in self.engine.buckets.on_device():
+        for rt in self.buckets.on_device():
             if not any(present[rt.bucket.index]):
                 continue
             for k, slot in enumerate(rt.bucket.slots):
@@ -306,7 +310,7 @@ class DataParallel:
 
     def _collecting(self, rt: BucketRuntime) -> BucketRuntime:
         if rt.state is not BucketState.COLLECTING:
-            self.engine.waiter.wait_idle(rt)
+            self.waiter.wait_idle(rt)
             rt.move(BucketState.COLLECTING)
         return rt
 
@@ -318,7 +322,7 @@ class DataParallel:
         each shard is stepped on one rank only: no speculation at step(), where it cannot overlap."""
         if self.coll.topology.replicas == 1 or not rt.bucket.speculative:
             return None
-        return self.engine.collector._speculative_call(rt)
+        return self.collector._speculative_call(rt)
 
     def _log_held(self, rest: list[BucketRuntime]) -> None:
         """Once: buckets complete during backward but held behind one this rank had no
@@ -338,9 +342,8 @@ class DataParallel:
     def presence(self) -> torch.Tensor:
         """Per parameter: whether any rank has a gradient for it this step (one all-reduce on the
         control group, after this rank's launches)."""
-        e = self.engine
-        local = torch.zeros(len(e.params), dtype=torch.int32)
-        for rt in e.buckets.runtimes:
+        local = torch.zeros(len(self.params), dtype=torch.int32)
+        for rt in self.buckets.runtimes:
             for k, slot in enumerate(rt.bucket.slots):
                 local[slot.index] = int(rt.present[k])
         return self.coll.all_reduce_presence(local)
@@ -352,10 +355,10 @@ class DataParallel:
         """zero_grad() between backward and step(): forget the device accumulation; undo the
         speculative steps (their weights never reached the device)."""
         self._new_step()
-        for rt in self.engine.buckets.host():
+        for rt in self.buckets.host():
             rt.round_dev = None
             if rt.launched:
-                self.engine.collector.reopen(rt)
+                self.collector.reopen(rt)
 
     def global_sum_squares(self, host: float, device: float) -> float:
         """Local shards' sum all-reduced over the shard group (one float64 scalar), plus the
@@ -367,8 +370,8 @@ class DataParallel:
     def _host_collective_ready(self) -> None:
         """gloo reads device tensors from the host at once: what the current stream has queued
         must have run (NCCL orders its collectives on the stream instead)."""
-        if self.coll.backend != "nccl" and self.engine.transfer.is_async:
-            rt = self.engine.runtime
+        if self.coll.backend != "nccl" and self.transfer.is_async:
+            rt = self.runtime
             done = rt.new_event()
             done.record(rt.current_stream())
             done.synchronize()
@@ -379,8 +382,7 @@ class DataParallel:
         """The updated shard to the device; all-gather the bucket's weights into its parameters.
         Returns the event the next forward waits on. The host must not write the shard's
         master/lowp before that event (HostJobs waits for it)."""
-        e = self.engine
-        runtime, transfer = e.runtime, e.transfer
+        runtime, transfer = self.runtime, self.transfer
         src = rt.bufs.lowp if rt.bufs.lowp is not None else rt.bufs.master
         dtype = rt.params[0].dtype if rt.params else src.dtype
         with torch.no_grad(), runtime.thread_device(), runtime.on_stream(transfer.h2d):
@@ -400,7 +402,7 @@ class DataParallel:
                 runtime.record_stream(p.detach(), transfer.h2d)
             done = runtime.new_event()
             done.record(transfer.h2d)
-        e.counters.bytes_h2d += src.numel() * src.element_size()
+        self.counters.bytes_h2d += src.numel() * src.element_size()
         return done
 
     def _gather_buffers(self, dtype: torch.dtype, padded: int, numel: int) -> tuple:
@@ -412,29 +414,31 @@ class DataParallel:
         stream waits for it before the collective, and it for NCCL after)."""
         pair = self._gather_pairs.get(dtype)
         if pair is None:
-            host = [rt.shard for rt in self.engine.buckets.host()]
-            runtime = self.engine.runtime
+            host = [rt.shard for rt in self.buckets.host()]
+            runtime = self.runtime
             pair = self._gather_pairs[dtype] = (
                 runtime.device_empty(max(sh.padded_numel for sh in host), dtype),
                 runtime.device_empty(max(sh.numel for sh in host), dtype))
         return pair[0][:padded], pair[1][:numel]
 
+    def release(self) -> None:
+        """close(): drop the all-gather buffers (device memory; the worker is stopped)."""
+        self._gather_pairs.clear()
+
     def refresh_device_params(self) -> None:
         """Every host bucket's weights from the shards' masters (after loading state), in bucket
         order on every rank; device-resident buckets from their own masters."""
-        e = self.engine
         self._gathers_queued = True
-        for rt in e.buckets.host():
-            e.worker.submit(functools.partial(self._refresh, rt), rt.pending)
+        for rt in self.buckets.host():
+            self.worker.submit(functools.partial(self._refresh, rt), rt.pending)
         with torch.no_grad():
-            for rt in e.buckets.on_device():
+            for rt in self.buckets.on_device():
                 for p, slot in zip(rt.params, rt.bucket.slots):
                     p.detach().copy_(BucketBuffers.view(rt.bufs.master, slot).view(slot.shape))
-        e.synchronize()
+        self.waiter.synchronize()
 
     def _refresh(self, rt: BucketRuntime) -> None:
-        e = self.engine
-        e.transfer.wait_host_before_write(rt.h2d_event)
+        self.transfer.wait_host_before_write(rt.h2d_event)
         if rt.bufs.lowp is not None:
             rt.bufs.lowp.copy_(rt.bufs.master)
         rt.h2d_event = self.gather_back(rt)
@@ -445,8 +449,7 @@ class DataParallel:
         """(param index, start, end, shape, step, views) for every piece this rank saves: its
         shard of every bucket (a device-resident bucket is replicated; each rank saves its shard
         of it all the same, so the files never overlap)."""
-        e = self.engine
-        for rt in e.buckets.runtimes:
+        for rt in self.buckets.runtimes:
             shard = rt.shard if rt.shard is not None else self.shard(rt.bucket)
             for piece in shard.pieces:
                 slot = rt.bucket.slots[piece.slot]
@@ -457,10 +460,10 @@ class DataParallel:
                 views = {"master_param": rt.bufs.master[lo:hi], "exp_avg": rt.bufs.exp_avg[lo:hi],
                          "exp_avg_sq": rt.bufs.exp_avg_sq[lo:hi]}
                 yield (piece.index, piece.param_start, piece.param_end, slot.shape,
-                       e.param_steps[piece.index], views)
+                       self.buckets.param_steps[piece.index], views)
 
     def state_dict(self, groups: list, extra: Mapping[str, Any]) -> dict:
-        self.engine.synchronize()
+        self.waiter.synchronize()
         from superoffload_hf.engine.checkpoint import _groups_with_indices
 
         return shard_state_dict(self.pieces(), rank=self.rank, world=self.world,
@@ -470,19 +473,18 @@ class DataParallel:
         """Load this rank's ranges from any saved layout (a list of every rank's shard state
         dicts, one of them when they are one, or a single-process state dict); returns the source
         (its param groups and extras are applied by the caller)."""
-        e = self.engine
         source = RangeSource.of(state)
         for index in source.indices():
-            if not 0 <= index < len(e.params) or source.numel(index) != e.params[index].numel():
+            if not 0 <= index < len(self.params) or source.numel(index) != self.params[index].numel():
                 raise ValueError(f"The saved optimizer state of parameter {index} has {source.numel(index)} "
                                  f"elements; this optimizer's parameter {index} has "
-                                 f"{e.params[index].numel() if 0 <= index < len(e.params) else 'none'}. "
+                                 f"{self.params[index].numel() if 0 <= index < len(self.params) else 'none'}. "
                                  "Is this checkpoint from another model?")
-        e.synchronize()
-        if e.has_pending_gradients():
+        self.waiter.synchronize()
+        if any(any(rt.present) for rt in self.buckets.runtimes):
             raise RuntimeError("load_state_dict() was called between backward and step(); load a checkpoint "
                                "before the backward of the step that should use it (or call zero_grad() first).")
-        for rt in e.buckets.runtimes:
+        for rt in self.buckets.runtimes:
             on_host = rt.shard is not None
             pieces = rt.shard.pieces if on_host else [self._whole(rt, k) for k in range(len(rt.bucket.slots))]
             for piece in pieces:
@@ -496,8 +498,8 @@ class DataParallel:
                     getattr(rt.bufs, key)[lo:hi].copy_(values[key]) if key in values else getattr(rt.bufs, key)[lo:hi].zero_()
                 if rt.bufs.lowp is not None:
                     rt.bufs.lowp[lo:hi].copy_(rt.bufs.master[lo:hi])
-        for index in range(len(e.params)):
-            e.buckets.param_steps[index] = source.step(index)
+        for index in range(len(self.params)):
+            self.buckets.param_steps[index] = source.step(index)
         return source
 
     @staticmethod

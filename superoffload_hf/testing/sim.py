@@ -22,8 +22,11 @@ missing synchronisation fails every time (DESIGN.md section 7):
   has not run) makes any op of the main thread that reads or writes that parameter's storage an
   error naming the op (a dispatch mode, pushed on the main thread only while such copies are
   pending): functional reads, `p.data` writes, `load_state_dict`, compiled graphs.
-* Current stream and current device are per thread; a thread other than the runtime's main
-  thread must enter `thread_device()` before issuing work.
+* Current stream and current device are per thread, and a new thread's current device is
+  device 0, as on CUDA (`current_device()` / `set_device(index)`, the simulated
+  `torch.cuda.set_device`). A runtime is device `index` (`SimRuntime(index=1)`: a rank's
+  device); a stream, event, copy or allocation issued for it from a thread whose current device
+  is another one is an error. `thread_device()` makes its device current in the calling thread.
 * Autograd's device thread: while parameters are adopted, `backward()` of any graph runs on a
   per-runtime "autograd device thread" (as CUDA's autograd runs device work, and the hooks, on
   its per-device thread), with the device current there and the caller's current stream; the
@@ -236,8 +239,37 @@ class _ThreadState(threading.local):
     def __init__(self):
         self.stream: Optional[SimStream] = None
         self.seen_compute = 0
-        self.device_depth = 0
         self.autograd_device_thread = False
+
+
+class _CurrentDevice(threading.local):
+    index = 0  # every thread starts on device 0, as CUDA's do
+
+
+_current_device = _CurrentDevice()  # one per process, as CUDA's current device
+
+
+def current_device() -> int:
+    """The calling thread's current simulated device index (0 in a new thread)."""
+    return _current_device.index
+
+
+def set_device(index: int) -> None:
+    """Make simulated device `index` current in the calling thread only (torch.cuda.set_device)."""
+    if not isinstance(index, int) or index < 0:
+        raise ValueError(f"set_device({index!r}): expected a device index >= 0.")
+    _current_device.index = index
+
+
+@contextlib.contextmanager
+def on_device(index: int) -> Iterator[None]:
+    """Simulated device `index` current in the calling thread inside (torch.cuda.device(index))."""
+    previous = current_device()
+    set_device(index)
+    try:
+        yield
+    finally:
+        set_device(previous)
 
 
 def _forward_hook(runtime_ref, module, args, output):
@@ -383,17 +415,20 @@ class SimRuntime:
     is_async = True
     pinned_rounds_to_power_of_two = True  # as CUDA's host caching allocator (testing/host_memory.py)
     host_is_device = False  # CPU tensors, but device memory in the model it simulates
-    name = "sim:0"
 
     _shared: Optional["SimRuntime"] = None
     _shared_options: dict = {}
     _shared_lock = threading.Lock()
 
     def __init__(self, main_thread: Optional[threading.Thread] = None, host_budget_bytes: Optional[int] = None,
-                 strict_pinned: bool = False, side_streams: int = SIDE_STREAMS):
+                 strict_pinned: bool = False, side_streams: int = SIDE_STREAMS, index: int = 0):
         if side_streams < 1:
             raise ValueError(f"side_streams={side_streams}: the simulated device needs at least 1 side stream.")
+        if not isinstance(index, int) or index < 0:
+            raise ValueError(f"index={index!r}: the simulated device's index must be an int >= 0 (a rank's device).")
         self.side_streams = side_streams
+        self.index = index  # the threads that issue work for it must have it current (set_device)
+        self.name = f"sim:{index}"
         self.device = torch.device("cpu")
         self.errors: list[SimRaceError] = []
         self.host_memory = SimHostMemory(host_budget_bytes)  # pinned allocator, host budget
@@ -486,6 +521,7 @@ class SimRuntime:
             return self.host_memory.left()
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self._check_thread_device("an allocation")  # (torch.empty(device="cuda") takes the current one)
         t = torch.empty(numel, dtype=dtype)
         if not numel:
             return t
@@ -519,6 +555,7 @@ class SimRuntime:
     def new_stream(self) -> SimStream:
         """The next side stream of the pool, round robin: it may be one already handed out."""
         with self._lock:
+            self._check_thread_device("a new stream")
             if len(self._streams) <= self.side_streams:
                 stream = SimStream(self, len(self._streams))
                 self._streams.append(stream)
@@ -550,11 +587,8 @@ class SimRuntime:
 
     @contextlib.contextmanager
     def thread_device(self) -> Iterator[None]:
-        self._threads.device_depth += 1
-        try:
+        with on_device(self.index):
             yield
-        finally:
-            self._threads.device_depth -= 1
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self._lock:
@@ -778,9 +812,11 @@ class SimRuntime:
 
     # ------------------------------------------------------------- the checks
     def _check_thread_device(self, what: str) -> None:
-        if threading.get_ident() != self._main_ident and self._threads.device_depth == 0:
+        if current_device() != self.index:
             self._fail(f"thread {threading.current_thread().name!r} issues {what} on {self.name} but its "
-                       f"current device is not {self.name} (enter the device guard: runtime.thread_device())")
+                       f"current device is sim:{current_device()} (a new thread's current device is device 0, "
+                       "as on CUDA; enter the device guard: runtime.thread_device(), or set_device() as "
+                       "torch.cuda.set_device)")
 
     def _check_raw(self, src: torch.Tensor, buf: _DeviceBuffer, stream: SimStream, kind: str) -> None:
         self._scan_writes(buf)
