@@ -1,7 +1,7 @@
 # The stages of a prepared run (sourced by gpu_check.sh and gpu_peers.sh). Before sourcing, set
 # OUT_DIR, BUDGET (seconds for the whole run) and MODE; `stage` runs one stage under the deadline,
 # `finish` prints the verdict and gives the exit status.
-RESERVE=10  # seconds kept for writing the summary after the last stage
+. benchmarks/_plan.sh  # RESERVE, KILL_GRACE
 START=$SECONDS
 status=0
 STAGES_JSON=()
@@ -39,7 +39,7 @@ stage() {
     rc=124
     echo "not run: the budget is spent" > "$OUT_DIR/$name.log"
   else
-    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+    timeout -k "$KILL_GRACE" "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
     rc=${PIPESTATUS[0]}
   fi
   if [ "$rc" -eq 0 ]; then

@@ -2,7 +2,11 @@
 # The GPU check: one prepared run for a machine with one CUDA GPU (H200 on PCIe, 16 host cores,
 # python3 with torch / transformers / accelerate, no network), under one whole-script deadline
 # (GPU_CHECK_BUDGET_S, default 540 s = 9 min). Stages, in order of value, each under `timeout`
-# with what is left of the budget (and its own cap), so a run cut short keeps what it measured:
+# with what is left of the budget (and its own cap), so a run cut short keeps what it measured.
+# The caps (CAP below) are a plan that fits the 9 minutes: their sum, plus each stage's kill grace
+# and the summary's reserve, is at most the GPU budget, so every stage gets its whole cap however
+# long the ones before it took; the script checks that before it runs anything (`--plan` only
+# prints the plan and its check):
 #   env                  torch, CUDA, the device; the GraceAdam kernel built (or loaded) and named
 #   gpu_tests            tests/test_gpu.py (pytest -m gpu; run directly when pytest is absent)
 #   gpu_tests_sanitizer  the same under the CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1)
@@ -14,24 +18,43 @@
 #   host_adam            benchmarks/adam.py: the host Adam rate on every core, against its targets
 #   link                 superoffload probe: copy bandwidth host->device and device->host
 #
-# usage: benchmarks/gpu_check.sh [--rehearse] [OUT_DIR]
+# usage: benchmarks/gpu_check.sh [--rehearse | --plan] [OUT_DIR]
 #   OUT_DIR defaults to $OUT (the folder that comes back from the GPU machine), else
 #   results/gpu_check. Everything goes there: <stage>.log for each stage (also printed),
 #   summary.md and summary.json (rewritten after every stage), gpu_tests.xml,
 #   train_llama/results.{json,md}, train_llama/timeline/, host_adam.json, link.json.
 #   --rehearse: the same stages with the CPU as the device, on the simulated asynchronous
 #   device (SUPEROFFLOAD_SIM_DEVICE=1), tiny sizes, in 1-2 min on 2 cores (the test-suite
-#   runs it: tests/test_gpu_check.py).
+#   runs it: tests/test_gpu_check.py); it checks the plan too, but caps no stage below what is
+#   left of its own budget (GPU_CHECK_BUDGET_S, default 240 there): a loaded CPU is no GPU.
 # Exits non-zero when any stage fails or runs out of time; later stages still run.
 # GPU_CHECK_FAIL_STAGE=NAME replaces that stage's command by `false` (to test the verdicts).
 set -u -o pipefail
 
-REHEARSE=0
+REHEARSE=0 PLAN_ONLY=0
 if [ "${1:-}" = "--rehearse" ]; then REHEARSE=1; shift; fi
+if [ "${1:-}" = "--plan" ]; then PLAN_ONLY=1; shift; fi
+
+# The plan, in order of value: each stage's cap in seconds on the GPU machine (a cold kernel build
+# in env; ten GPU tests, then the same under the sanitizer, which runs every op through Python;
+# the ~1B Llama in four modes, each building its optimizer and pinning ~16 GB; 256M-element Adam
+# steps; a quick link probe).
+STAGE_ORDER=(env gpu_tests gpu_tests_sanitizer train_llama host_adam link)
+declare -A CAP=([env]=75 [gpu_tests]=110 [gpu_tests_sanitizer]=85 [train_llama]=170 [host_adam]=40 [link]=20)
+GPU_BUDGET=540  # the whole-script deadline on the GPU machine: 9 minutes
+if [ "$REHEARSE" = 0 ] && [ -n "${GPU_CHECK_BUDGET_S:-}" ]; then GPU_BUDGET=$GPU_CHECK_BUDGET_S; fi
+
+cd "$(dirname "$0")/.."
+. benchmarks/_plan.sh
+if ! check_plan "$GPU_BUDGET"; then exit 2; fi
+if [ "$PLAN_ONLY" = 1 ]; then exit 0; fi
+if [ "$REHEARSE" = 1 ]; then  # it checks the script, not the GPU's timing: each stage gets what is left
+  for name in "${STAGE_ORDER[@]}"; do CAP[$name]=${GPU_CHECK_BUDGET_S:-240}; done
+fi
+
 OUT_DIR=${1:-${OUT:-results/gpu_check}}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY=python3  # the GPU machine's image has no `python`
@@ -62,7 +85,7 @@ else
   PROBE=()
 fi
 
-stage env 120 $PY -c "
+stage env "${CAP[env]}" $PY -c "
 import torch
 from superoffload_hf.host import kernel
 print(f'torch {torch.__version__}, cuda {torch.version.cuda}, '
@@ -73,21 +96,21 @@ head -n 1 "$OUT_DIR/env.log" >> "$summary_md"
 if $PY -c "import pytest" 2>/dev/null; then
   # addopts cleared: --strict-markers would reject the timeout marks when pytest-timeout is absent
   PYTEST=($PY -m pytest -o addopts="" -p no:cacheprovider -q -rs -m gpu)
-  stage gpu_tests 150 "${PYTEST[@]}" --junitxml="$OUT_DIR/gpu_tests.xml" "${TESTS[@]}"
+  stage gpu_tests "${CAP[gpu_tests]}" "${PYTEST[@]}" --junitxml="$OUT_DIR/gpu_tests.xml" "${TESTS[@]}"
   # the engine enters the sanitizer in its worker thread too (device/accelerator.py)
-  stage gpu_tests_sanitizer 150 "${SANITIZER[@]}" "${PYTEST[@]}" "${TESTS[@]}"
+  stage gpu_tests_sanitizer "${CAP[gpu_tests_sanitizer]}" "${SANITIZER[@]}" "${PYTEST[@]}" "${TESTS[@]}"
 else
-  stage gpu_tests 150 $PY tests/test_gpu.py
+  stage gpu_tests "${CAP[gpu_tests]}" $PY tests/test_gpu.py
 fi
 grep -E "passed|failed|error" "$OUT_DIR/gpu_tests.log" | tail -n 1 >> "$summary_md"
 
-stage train_llama 240 $PY benchmarks/train_llama.py "${LLAMA[@]}" --max-grad-norm 1.0,1e3 \
+stage train_llama "${CAP[train_llama]}" $PY benchmarks/train_llama.py "${LLAMA[@]}" --max-grad-norm 1.0,1e3 \
   --timeline-dir "$OUT_DIR/train_llama/timeline" --out "$OUT_DIR/train_llama"
 if [ -f "$OUT_DIR/train_llama/results.md" ]; then
   { echo; cat "$OUT_DIR/train_llama/results.md"; echo; } >> "$summary_md"
 fi
 
-stage host_adam 120 $PY benchmarks/adam.py "${ADAM[@]}" --json "$OUT_DIR/host_adam.json"
-stage link 60 $PY -m superoffload_hf.perf.probe "${PROBE[@]}" --json "$OUT_DIR/link.json"
+stage host_adam "${CAP[host_adam]}" $PY benchmarks/adam.py "${ADAM[@]}" --json "$OUT_DIR/host_adam.json"
+stage link "${CAP[link]}" $PY -m superoffload_hf.perf.probe "${PROBE[@]}" --json "$OUT_DIR/link.json"
 
 finish

@@ -481,6 +481,37 @@ def test_memory_info_counts_live_device_buffers(rt):
     del b
 
 
+def _copy_into_weight_after_the_forward(rt):
+    """A forward reads the weight; a fenced side-stream copy into the weight is then issued and
+    not waited for: anything the compute stream runs next that touches the weight races it."""
+    model = torch.nn.Linear(3, 2)
+    rt.adopt(list(model.parameters()))
+    out = model(torch.ones(1, 3, requires_grad=True))  # its backward reads the weight (input's grad)
+    h2d, fence = rt.new_stream(), rt.new_event()
+    fence.record()
+    h2d.wait_event(fence)  # ordered after the forward's reads (no WAR against the forward)
+    with rt.on_stream(h2d):
+        rt.copy_(model.weight.detach(), filled(rt, [0.5] * 6).view(2, 3))
+        rt.record_stream(model.weight.detach(), h2d)
+    return model, out
+
+
+def test_a_backward_reading_a_parameter_while_a_copy_into_it_is_pending_is_an_error_naming_the_op(rt):
+    """The backward runs on the autograd device thread, where the main thread's dispatch-mode
+    check is not on the stack (modes are per thread): the backward's own mode checks it."""
+    model, out = _copy_into_weight_after_the_forward(rt)
+    with pytest.raises(SimRaceError, match=r"aten\.\w+\.default in a backward on the autograd device thread "
+                                           r"reads or writes parameter \(device\) \(2, 3\)"):
+        out.sum().backward()
+
+
+def test_a_backward_after_the_compute_stream_waited_for_the_copy_is_fine(rt):
+    model, out = _copy_into_weight_after_the_forward(rt)
+    rt.synchronize_all()
+    out.sum().backward()
+    assert model.weight.grad is not None and not rt.errors
+
+
 def test_interface_basics(rt):
     assert rt.name == "sim:0" and rt.device == torch.device("cpu") and rt.is_async
     assert rt.new_stream() is not rt.new_stream()

@@ -156,7 +156,7 @@ class Engine:
             observer=self.observer, live=self.live, unhooked=self.unhooked, handles=self.handles)
         self.waiter.reopen = weak_method(self.collector.reopen)  # weakly: the collector holds the waiter
         if self.dp is not None:
-            self.dp.collector = weakref.proxy(self.collector)  # weakly: the collector holds the dp part
+            self.dp.use_collector(self.collector)  # weakly: the collector holds the dp part
         self.committer = Committer(
             buckets=self.buckets, worker=self.worker, jobs=self.jobs, waiter=self.waiter, step_state=self.step_state,
             counters=counters, adamw=adamw, dp=self.dp, policy=self.policy, loss_scale=self.loss_scale)

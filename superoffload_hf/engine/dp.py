@@ -121,11 +121,11 @@ class DataParallel:
     def __init__(self, collectives, *, params, buckets, transfer, runtime, worker, jobs, waiter, step_state,
                  counters):
         # The collaborators it uses, never the engine: a dropped (or closed) data-parallel
-        # optimizer frees its buffers without the cyclic collector. `collector` (which holds this
-        # object) is set by the engine once built, as a weak proxy.
+        # optimizer frees its buffers without the cyclic collector. The collector (which holds
+        # this object) comes later, weakly: `use_collector`.
         self.coll, self.params, self.buckets, self.transfer, self.runtime = collectives, params, buckets, transfer, runtime
         self.worker, self.jobs, self.waiter, self.step_state, self.counters = worker, jobs, waiter, step_state, counters
-        self.collector = None
+        self._collector = lambda: None
         t = collectives.topology
         self.rank, self.world = t.shard_rank, t.shard_world
         self.shard = sharding(collectives)
@@ -151,6 +151,15 @@ class DataParallel:
         # the collectives.
         self._gathers_queued = False
         collectives.before_training = weakref.WeakMethod(self._wait_for_queued_gathers)
+
+    def use_collector(self, collector) -> None:
+        """The engine's Collector, held weakly (a weakref.proxy would not do: a dead proxy that
+        gc.get_objects() hands to an isinstance check raises ReferenceError)."""
+        self._collector = weakref.ref(collector)
+
+    @property
+    def collector(self):
+        return self._collector()
 
     def describe(self) -> str:
         return f"data parallel {self.coll.describe()}, {self.buckets.shard_numel()} host elements here"

@@ -287,8 +287,23 @@ _NO_ACCESS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch
               torch.ops.aten.full_like.default)
 
 
+def _check_param_access(sim: "SimRuntime", func, args, kwargs, where: str) -> None:
+    """An op touching a parameter's storage while a side-stream copy into it is pending."""
+    pending = sim._param_writes  # (read without the lock: a dict lookup, under the GIL)
+    if pending and not func.is_view and func not in _NO_ACCESS:
+        for t in tree_leaves((args, kwargs)):
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel():  # (not a storage-less subclass)
+                label = pending.get(_storage_key(t))
+                if label is not None:
+                    sim._fail(
+                        f"{func} {where} reads or writes {label} while a side-stream copy into it is pending: "
+                        "the compute stream has not waited for the copy's event (a parameter read outside "
+                        "its module's forward, a `p.data` write, a load, a backward reading a weight a "
+                        "copy-back is overwriting: wait first, e.g. optimizer.synchronize())")
+
+
 class _ParamAccessCheck(TorchDispatchMode):
-    """Main thread only: an op touching a parameter's storage while a copy into it is pending."""
+    """Main thread, outside backward: the parameter access check (_check_param_access)."""
 
     def __init__(self, sim: "SimRuntime"):
         super().__init__()
@@ -296,17 +311,7 @@ class _ParamAccessCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        pending = self.sim._param_writes
-        if pending and not func.is_view and func not in _NO_ACCESS:
-            for t in tree_leaves((args, kwargs)):
-                if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel():  # (not a storage-less subclass)
-                    label = pending.get(_storage_key(t))
-                    if label is not None:
-                        self.sim._fail(
-                            f"{func} reads or writes {label} while a side-stream copy into it is pending: the "
-                            "compute stream has not waited for the copy's event (a parameter read outside its "
-                            "module's forward, a `p.data` write, a load: wait first, e.g. "
-                            "optimizer.synchronize())")
+        _check_param_access(self.sim, func, args, kwargs, "on the main thread")
         return func(*args, **kwargs)
 
 
@@ -319,14 +324,16 @@ def _tensor_bytes(value) -> int:
 
 
 class _BackwardClock(TorchDispatchMode):
-    """On the autograd device thread, during a backward: every op advances the compute stream's
-    device time by its modelled cost."""
+    """On the autograd device thread, during a backward: every op is checked for parameter
+    access (as the main thread's ops are: dispatch modes are per thread, so that mode never sees
+    these) and advances the compute stream's device time by its modelled cost."""
 
     def __init__(self, sim: "SimRuntime"):
         super().__init__()
         self._sim = sim
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _check_param_access(self._sim, func, args, kwargs or {}, "in a backward on the autograd device thread")
         out = func(*args, **(kwargs or {}))
         self._sim._advance_compute(KERNEL_MS + _tensor_bytes(out) / COMPUTE_BYTES_PER_MS)
         return out
