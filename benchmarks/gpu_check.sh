@@ -16,7 +16,10 @@
 #                        bf16 dense peak), device idle per step, peak device memory and host RSS
 #                        against the dry run's figures, the step timeline (trace.json, timeline.png)
 #   host_adam            benchmarks/adam.py: the host Adam rate on every core, against its targets
-#   link                 superoffload probe: copy bandwidth host->device and device->host
+#   link                 superoffload probe: copy bandwidth host->device and device->host, and
+#                        page-locking 1 GiB by cudaHostAlloc against cudaHostRegister (torch's
+#                        pinned_use_cuda_host_register): which pins faster (the engine does not
+#                        choose by it yet: this is the measurement that choice needs)
 #
 # usage: benchmarks/gpu_check.sh [--rehearse | --plan] [OUT_DIR]
 #   OUT_DIR defaults to $OUT (the folder that comes back from the GPU machine), else
@@ -112,5 +115,6 @@ fi
 
 stage host_adam "${CAP[host_adam]}" $PY benchmarks/adam.py "${ADAM[@]}" --json "$OUT_DIR/host_adam.json"
 stage link "${CAP[link]}" $PY -m superoffload_hf.perf.probe "${PROBE[@]}" --json "$OUT_DIR/link.json"
+grep "page-locking" "$OUT_DIR/link.log" >> "$summary_md" || true
 
 finish

@@ -40,3 +40,45 @@ def test_probe_measures_the_machine_and_prints_the_plan_for_a_recipe(tmp_path, c
 def test_probe_with_a_missing_recipe_fails_with_the_path(tmp_path, capsys):
     assert main(["probe", "--quick", "--recipe", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_page_locking_is_compared_by_method_where_the_runtime_has_the_choice():
+    """cudaHostAlloc against cudaHostRegister (torch's `pinned_use_cuda_host_register`): on the
+    simulated device the path runs (the numbers are its accounting, not a GPU's); the CPU device
+    has no choice and reports none; the method is torch's default again afterwards."""
+    import torch
+
+    from superoffload_hf.device.cpu import CpuRuntime
+    from superoffload_hf.perf.probe import MB, measure_pinning
+    from superoffload_hf.testing.sim import SimRuntime
+
+    sim = SimRuntime()
+    try:
+        pinning = measure_pinning(sim, 1 * MB, threads=2, point_seconds=0.01)
+        assert set(pinning) == {"cudaHostAlloc", "cudaHostRegister", "faster"}
+        assert pinning["faster"] in ("cudaHostAlloc", "cudaHostRegister")
+        assert all(pinning[m]["pin_gbps"] > 0 and pinning[m]["h2d_gbps"] > 0 for m in ("cudaHostAlloc", "cudaHostRegister"))
+        assert sim.host_registered is False and sim.host_memory.pinned_reserved == 0 and not sim.errors
+    finally:
+        sim.close()
+    assert measure_pinning(CpuRuntime(), 1 * MB, threads=2, point_seconds=0.01) == {}
+
+
+def test_the_cuda_runtime_sets_torch_s_host_register_setting_with_a_power_of_two_of_threads():
+    """What AcceleratorRuntime.host_register asks of torch (the allocator settings string; its
+    effect on page-locking needs a GPU)."""
+    import torch
+
+    from superoffload_hf.device.accelerator import AcceleratorRuntime
+
+    if not hasattr(torch._C, "_accelerator_setAllocatorSettings"):
+        pytest.skip("this torch has no torch._C._accelerator_setAllocatorSettings")
+    rt = AcceleratorRuntime(torch.device("cuda", 0))
+    try:
+        assert rt.host_register(True, threads=12)
+        assert "pinned_use_cuda_host_register:True,pinned_num_register_threads:8" in (
+            torch._C._accelerator_getAllocatorSettings())
+    finally:
+        rt.host_register(False, threads=1)
+    assert "pinned_use_cuda_host_register:False" in torch._C._accelerator_getAllocatorSettings()
+    assert not AcceleratorRuntime(torch.device("xpu", 0)).host_register(True)

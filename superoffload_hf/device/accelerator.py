@@ -70,6 +70,17 @@ class AcceleratorRuntime:
             empty()
         return 0
 
+    def host_register(self, enabled: bool, threads: int = 8) -> bool:
+        """torch's caching host allocator pins its new blocks by cudaHostRegister (of malloc'ed
+        memory, faulted in by `threads` threads) instead of cudaHostAlloc; either way it rounds
+        and caches them alike. CUDA only."""
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if self.device.type != "cuda" or setter is None:
+            return False
+        threads = 1 << (max(1, min(int(threads), 128)).bit_length() - 1)  # torch wants a power of two <= 128
+        setter(f"pinned_use_cuda_host_register:{'True' if enabled else 'False'},pinned_num_register_threads:{threads}")
+        return True
+
     def adopt(self, params) -> None:
         pass
 

@@ -32,6 +32,9 @@ class CpuRuntime:
     def host_empty_cache(self) -> int:
         return 0  # nothing is pinned, nothing cached
 
+    def host_register(self, enabled: bool, threads: int = 1) -> bool:
+        return False  # nothing is pinned
+
     def adopt(self, params) -> None:
         pass
 

@@ -21,6 +21,10 @@ A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
     device_empty(numel, dtype) -> Tensor            a device buffer, on the current stream
     host_empty_cache() -> int      give the page-locked blocks the host allocator caches after a
                                    free back to the system (bytes returned, 0 where unknown)
+    host_register(enabled, threads) -> bool  page-lock the host blocks allocated from now on by
+                                   cudaHostRegister of pageable memory that `threads` threads fault
+                                   in (torch's `pinned_use_cuda_host_register`), else by
+                                   cudaHostAlloc; False where the runtime has no such choice
     adopt(params)                  the parameters the engine manages live on this device
     current_stream() -> Stream     this thread's current stream
     new_stream() -> Stream

@@ -7,6 +7,8 @@ Measured, each through the device seam (superoffload_hf.device.make_runtime) and
 back end the engine uses (superoffload_hf.host.kernel.get_host_adam):
 
 * copy bandwidth host->device and device->host by transfer size, page-locked and pageable;
+* page-locking by cudaHostAlloc against cudaHostRegister (torch's `pinned_use_cuda_host_register`),
+  where the runtime has the choice: GB/s pinned and the host->device bandwidth from each;
 * host Adam rate (elements/s of one 30-byte-per-element pass: fp32 step + bf16 copy) by thread
   count, alone and while another thread copies host memory (what the engine's copies and the
   training thread do meanwhile);
@@ -43,6 +45,9 @@ ADAM_NUMEL = 8 * MB // 4 * 4  # 8M elements: one 32 MB bucket
 QUICK_ADAM_NUMEL = 1 * MB
 POINT_SECONDS = 0.15  # time spent on one measured point
 QUICK_POINT_SECONDS = 0.03
+PIN_BYTES = 1 << 30  # page-locked once per pinning method
+QUICK_PIN_BYTES = 8 * MB
+PIN_METHODS = (("cudaHostAlloc", False), ("cudaHostRegister", True))
 
 
 @dataclass
@@ -55,6 +60,8 @@ class ProbeReport:
     """{threads: elements/s} alone."""
     host_adam_rate_busy: dict = field(default_factory=dict)
     """{threads: elements/s} while another thread copies host memory."""
+    pinning: dict = field(default_factory=dict)
+    """{method: {"pin_gbps", "h2d_gbps"}, "faster": method} ({} where the runtime has no choice)."""
     engine_threads: int = 1
     device_adam_rate: float = 0.0
     device_adam: str = ""
@@ -83,6 +90,11 @@ class ProbeReport:
         lines.append("  copies, GB/s      " + "".join(f"{_size(s):>9}" for s in sizes))
         for name, table in self.copies.items():
             lines.append(f"    {name:<15}" + "".join(f"{table.get(s, float('nan')):>9.2f}" for s in sizes))
+        methods = [m for m, _ in PIN_METHODS if m in self.pinning]
+        if methods:
+            lines.append("  page-locking: " + "; ".join(
+                f"{m} {self.pinning[m]['pin_gbps']:.2f} GB/s pinned, h2d {self.pinning[m]['h2d_gbps']:.2f} GB/s"
+                for m in methods) + f"; faster: {self.pinning['faster']}")
         lines.append("  host Adam, Gelem/s by threads (alone / with host copies running)")
         for t in sorted(self.host_adam_rate):
             mark = "  <- the engine's pool" if t == self.engine_threads else ""
@@ -135,6 +147,33 @@ def measure_copies(runtime, sizes: Sequence[int], point_seconds: float) -> dict:
                 table[nbytes] = nbytes / seconds / 1e9
                 del host, dev, dst, src
             out[f"{direction}_{'pinned' if pinned else 'pageable'}"] = table
+    return out
+
+
+def measure_pinning(runtime, nbytes: int, threads: int, point_seconds: float) -> dict:
+    """Page-lock `nbytes` by each method (a fresh block: the host allocator's cache emptied
+    first) and copy it to the device; {} where the runtime has no choice of method. "faster": the
+    method that pins faster without costing over 5% of the other's copy bandwidth."""
+    out = {}
+    try:
+        for method, register in PIN_METHODS:
+            if not runtime.host_register(register, threads):
+                return {}
+            runtime.host_empty_cache()
+            start = time.perf_counter()
+            host = runtime.host_empty(nbytes // 4, torch.float32, pinned=True)
+            pin_s = max(time.perf_counter() - start, 1e-9)
+            host.fill_(1.0)
+            dev = runtime.device_empty(nbytes // 4, torch.float32)
+            copy_s = _timed(lambda: runtime.copy_(dev, host), runtime, point_seconds)
+            out[method] = {"pin_gbps": nbytes / pin_s / 1e9, "h2d_gbps": nbytes / copy_s / 1e9}
+            del host, dev
+            runtime.host_empty_cache()
+    finally:
+        runtime.host_register(False, threads)  # torch's default again
+    alloc, register = out["cudaHostAlloc"], out["cudaHostRegister"]
+    faster = (register["pin_gbps"] > alloc["pin_gbps"] and register["h2d_gbps"] >= 0.95 * alloc["h2d_gbps"])
+    out["faster"] = "cudaHostRegister" if faster else "cudaHostAlloc"
     return out
 
 
@@ -314,6 +353,7 @@ def probe(device: Optional[torch.device] = None, recipe=None, *, quick: bool = F
     # threads of the micro-benchmarks below may still be winding down for a while).
     workload = measure_workload(recipe, runtime, trials=1 if quick else 3) if recipe is not None else None
     report.copies = measure_copies(runtime, QUICK_TRANSFER_SIZES if quick else TRANSFER_SIZES, point)
+    report.pinning = measure_pinning(runtime, QUICK_PIN_BYTES if quick else PIN_BYTES, engine_threads, point)
     try:
         report.host_adam_rate, report.host_adam_rate_busy = measure_host_adam(
             adam, numel, thread_counts(engine_threads), point, make_runtime(torch.device("cpu")))

@@ -441,6 +441,7 @@ class SimRuntime:
         self.host_memory = SimHostMemory(host_budget_bytes)  # pinned allocator, host budget
         # a non_blocking copy whose host side is pageable is an error (set it after step 1)
         self.strict_pinned = strict_pinned
+        self.host_registered = False  # host_register(): the pinning method the GPU would use
         self.compute_clock = 1
         self._lock = threading.RLock()
         self._main_ident = (main_thread or threading.current_thread()).ident
@@ -520,6 +521,13 @@ class SimRuntime:
         with self._lock:
             self._settle()
             return self.host_memory.empty_cache()
+
+    def host_register(self, enabled: bool, threads: int = 8) -> bool:
+        """The switch of CUDA's pinning method (cudaHostRegister vs cudaHostAlloc), recorded only:
+        torch's host allocator rounds and caches the blocks alike, and page-locking costs
+        nothing here."""
+        self.host_registered = bool(enabled)
+        return True
 
     def host_budget_left(self) -> Optional[int]:
         """Bytes the host budget still admits (None: no budget)."""
