@@ -21,7 +21,8 @@ missing synchronisation fails every time (DESIGN.md section 7):
 * A side-stream copy into an adopted parameter that the compute stream has not waited for (it
   has not run) makes any op of the main thread that reads or writes that parameter's storage an
   error naming the op (a dispatch mode, pushed on the main thread only while such copies are
-  pending): functional reads, `p.data` writes, `load_state_dict`, compiled graphs.
+  pending): functional reads, `p.data` writes, `load_state_dict`, compiled graphs. Modes are per
+  thread: the ops of a backward, on the autograd device thread, are checked by its own mode.
 * Current stream and current device are per thread, and a new thread's current device is
   device 0, as on CUDA (`current_device()` / `set_device(index)`, the simulated
   `torch.cuda.set_device`). A runtime is device `index` (`SimRuntime(index=1)`: a rank's
