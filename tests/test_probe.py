@@ -46,8 +46,6 @@ def test_page_locking_is_compared_by_method_where_the_runtime_has_the_choice():
     """cudaHostAlloc against cudaHostRegister (torch's `pinned_use_cuda_host_register`): on the
     simulated device the path runs (the numbers are its accounting, not a GPU's); the CPU device
     has no choice and reports none; the method is torch's default again afterwards."""
-    import torch
-
     from superoffload_hf.device.cpu import CpuRuntime
     from superoffload_hf.perf.probe import MB, measure_pinning
     from superoffload_hf.testing.sim import SimRuntime
@@ -57,7 +55,8 @@ def test_page_locking_is_compared_by_method_where_the_runtime_has_the_choice():
         pinning = measure_pinning(sim, 1 * MB, threads=2, point_seconds=0.01)
         assert set(pinning) == {"cudaHostAlloc", "cudaHostRegister", "faster"}
         assert pinning["faster"] in ("cudaHostAlloc", "cudaHostRegister")
-        assert all(pinning[m]["pin_gbps"] > 0 and pinning[m]["h2d_gbps"] > 0 for m in ("cudaHostAlloc", "cudaHostRegister"))
+        for method in ("cudaHostAlloc", "cudaHostRegister"):
+            assert pinning[method]["pin_gbps"] > 0 and pinning[method]["h2d_gbps"] > 0
         assert sim.host_registered is False and sim.host_memory.pinned_reserved == 0 and not sim.errors
     finally:
         sim.close()

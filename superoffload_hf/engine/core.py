@@ -118,7 +118,8 @@ class Engine:
         buffers = self.layout.buffer_policy(self.cast, self.transfer.pin_memory,
                                             self.runtime.pinned_rounds_to_power_of_two,
                                             host_is_device=self.runtime.host_is_device,
-                                            shard_world=None if collectives is None else collectives.topology.shard_world)
+                                            shard_world=None if collectives is None
+                                            else collectives.topology.shard_world)
         self.buckets = BucketSet(self.params, buffers, self.runtime,
                                  shard_of=None if collectives is None else sharding(collectives))
         initial = self.layout.initial_plan()

@@ -123,7 +123,8 @@ class DataParallel:
         # The collaborators it uses, never the engine: a dropped (or closed) data-parallel
         # optimizer frees its buffers without the cyclic collector. The collector (which holds
         # this object) comes later, weakly: `use_collector`.
-        self.coll, self.params, self.buckets, self.transfer, self.runtime = collectives, params, buckets, transfer, runtime
+        self.coll, self.params, self.buckets = collectives, params, buckets
+        self.transfer, self.runtime = transfer, runtime
         self.worker, self.jobs, self.waiter, self.step_state, self.counters = worker, jobs, waiter, step_state, counters
         self._collector = lambda: None
         t = collectives.topology
