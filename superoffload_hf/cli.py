@@ -24,10 +24,11 @@ from typing import Any, Optional, Sequence
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.errors import CorruptStateError
 from superoffload_hf.integrations.resume import ResumeError
+from superoffload_hf.train.output_dir import OVERWRITE_FLAG
 from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeError, TokenizerSpec, load_recipe
 
 USAGE = """usage: superoffload train RECIPE.yaml [--dry-run [--num_processes N [--num_machines M]]] [--timeline DIR]
-                          [--section.key value ...]
+                          [--overwrite_output_dir] [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
        superoffload probe [--json FILE] [--recipe R.yaml]
        superoffload export-optimizer CHECKPOINT_DIR OUT.pt
@@ -37,7 +38,9 @@ commands:
            e.g. `superoffload train recipes/tiny_llama_cpu.yaml --training.max_steps 20`;
            `--dry-run` validates it and prints the memory per buffer kind, with
            `--num_processes N` per rank of N data-parallel processes and per host
-           (`--num_machines M`: N / M ranks on each host; default 1 machine)
+           (`--num_machines M`: N / M ranks on each host; default 1 machine); a new run into
+           an output_dir that holds another run's checkpoints is refused unless it resumes
+           (`--training.resume_from_checkpoint true`) or `--overwrite_output_dir` removes them
   launch   `accelerate launch` with a `superoffload:` block in the accelerate config
   probe    measure this machine's links, host and device Adam (and a recipe's backward);
            print the plan they imply (bucket size, device buckets, cast) and the step time
@@ -166,8 +169,10 @@ def train_command(argv: Sequence[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     dry_run = "--dry-run" in argv[1:]
+    overwrite = OVERWRITE_FLAG in argv[1:]
     try:
-        tokens, num_processes, num_machines = process_count_options([t for t in argv[1:] if t != "--dry-run"])
+        tokens, num_processes, num_machines = process_count_options(
+            [t for t in argv[1:] if t not in ("--dry-run", OVERWRITE_FLAG)])
         given = [t for t in argv[1:] if t.split("=")[0] in ("--num_processes", "--num_machines")]
         if given and not dry_run:
             raise ValueError(f"`{given[0].split('=')[0]}` sizes the memory that `--dry-run` prints; `superoffload "
@@ -182,6 +187,7 @@ def train_command(argv: Sequence[str]) -> int:
         recipe = load_recipe(argv[0], overrides)
         for warning in recipe.warnings:
             print(f"superoffload train: warning: {warning}", file=sys.stderr)
+        check_output_dir(recipe, dry_run, overwrite)
         if dry_run:
             from superoffload_hf.train.footprint import memory_report
 
@@ -194,6 +200,29 @@ def train_command(argv: Sequence[str]) -> int:
         return 2
     print(summary.format())
     return 0
+
+
+def check_output_dir(recipe: Recipe, dry_run: bool, overwrite: bool) -> None:
+    """`training.output_dir` writable, and free of another run's checkpoints unless this run resumes
+    or `--overwrite_output_dir` removes them (a dry run only warns: it writes nothing there)."""
+    from superoffload_hf.train.output_dir import (
+        OutputDirError, check_no_previous_run, check_writable, remove_previous_run)
+
+    output_dir = Path(recipe.training["output_dir"]).expanduser()
+    resuming = recipe.training.get("resume_from_checkpoint") not in (None, False)
+    if overwrite and resuming:
+        raise OutputDirError(f"`{OVERWRITE_FLAG}` would remove the checkpoints that "
+                             "`training.resume_from_checkpoint` resumes from; drop one of the two.")
+    check_writable(output_dir)
+    try:
+        check_no_previous_run(output_dir, resuming, overwrite)
+    except OutputDirError as exc:
+        if not dry_run:
+            raise
+        print(f"superoffload train: warning: {exc}", file=sys.stderr)
+    if overwrite and not dry_run:
+        for path in remove_previous_run(output_dir):
+            print(f"superoffload train: {OVERWRITE_FLAG}: removed {path}", flush=True)
 
 
 def recipe_keys_help() -> str:
