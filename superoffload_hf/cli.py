@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.errors import CorruptStateError
+from superoffload_hf.integrations.checkpoint_save import CheckpointSaveError
 from superoffload_hf.integrations.resume import ResumeError
 from superoffload_hf.train.output_dir import OVERWRITE_FLAG
 from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeError, TokenizerSpec, load_recipe
@@ -198,6 +199,9 @@ def train_command(argv: Sequence[str]) -> int:
     except (RecipeError, ConfigError, CorruptStateError, ResumeError) as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)
         return 2
+    except CheckpointSaveError as exc:
+        print(f"superoffload train: error: {exc}", file=sys.stderr)
+        return 1
     print(summary.format())
     return 0
 
