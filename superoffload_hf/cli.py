@@ -195,6 +195,9 @@ def train_command(argv: Sequence[str]) -> int:
             print(_dump_yaml(recipe.to_dict()), end="")
             print(memory_report(recipe, num_processes, num_machines))
             return 0
+        from superoffload_hf.train.hub import check_hub_names_reachable
+
+        check_hub_names_reachable(recipe)
         summary = train(recipe)
     except (RecipeError, ConfigError, CorruptStateError, ResumeError) as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)
