@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,7 @@ def train_command(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)
         return 2
+    recipe = None
     try:
         recipe = load_recipe(argv[0], overrides)
         for warning in recipe.warnings:
@@ -199,6 +201,11 @@ def train_command(argv: Sequence[str]) -> int:
 
         check_hub_names_reachable(recipe)
         summary = train(recipe)
+    except (TrainingInterrupted, KeyboardInterrupt) as exc:
+        report = "superoffload train: interrupted" if recipe is None else interrupted_report(
+            argv, recipe, getattr(exc, "step", None))
+        print(report, file=sys.stderr, flush=True)
+        return 130
     except (RecipeError, ConfigError, CorruptStateError, ResumeError) as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)
         return 2
@@ -207,6 +214,45 @@ def train_command(argv: Sequence[str]) -> int:
         return 1
     print(summary.format())
     return 0
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C during `trainer.train()`, after `step` optimizer steps."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
+
+
+def interrupted_report(argv: Sequence[str], recipe: Recipe, step: Optional[int]) -> str:
+    """What Ctrl-C left: the step reached, the newest complete checkpoint, the command that resumes it."""
+    from superoffload_hf.integrations.resume import last_complete_checkpoint
+
+    output_dir = recipe.training["output_dir"]
+    checkpoint, _ = last_complete_checkpoint(output_dir)
+    reached = "before the first step" if step is None else f"at step {step}"
+    lines = [f"superoffload train: interrupted {reached} (of {recipe.training.get('max_steps', '?')})"]
+    if checkpoint is None:
+        lines += [f"  last complete checkpoint  none in {output_dir} (one every {recipe.training.get('save_steps', 500)} steps)",
+                  f"  start again with          {shlex.join(['superoffload', 'train', *argv])}"]
+        return "\n".join(lines)
+    lines += [f"  last complete checkpoint  {checkpoint}",
+              f"  resume with               {shlex.join(['superoffload', 'train', *resume_arguments(argv)])}"]
+    return "\n".join(lines)
+
+
+def resume_arguments(argv: Sequence[str]) -> list[str]:
+    """`argv` of `superoffload train` with `--training.resume_from_checkpoint true` in place of any
+    resume or `--overwrite_output_dir` it had (the run continues where its checkpoints are)."""
+    out, skip_value = [], False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+        elif token == "--training.resume_from_checkpoint":
+            skip_value = True
+        elif token != OVERWRITE_FLAG and not token.startswith("--training.resume_from_checkpoint="):
+            out.append(token)
+    return out + ["--training.resume_from_checkpoint", "true"]
 
 
 def check_output_dir(recipe: Recipe, dry_run: bool, overwrite: bool) -> None:
@@ -349,7 +395,10 @@ def train(recipe: Recipe) -> "TrainSummary":
     if resume.weights_only:
         load_weights_only(trainer, resume.checkpoint)
     full_resume = None if resume.checkpoint is None or resume.weights_only else str(resume.checkpoint)
-    output = trainer.train(resume_from_checkpoint=full_resume)
+    try:
+        output = trainer.train(resume_from_checkpoint=full_resume)
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(trainer.state.global_step) from None
     checkpoint = _final_checkpoint(trainer, args)
     return _summarize(recipe, args, trainer, output, recorder, checkpoint)
 
