@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-from superoffload_hf.cli import resume_arguments
 from superoffload_hf.integrations.resume import incomplete_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +58,8 @@ def test_ctrl_c_after_a_checkpoint_prints_the_step_the_checkpoint_and_the_resume
 
 
 def test_the_resume_command_replaces_a_resume_or_an_overwrite_of_the_interrupted_run():
+    from superoffload_hf.cli import resume_arguments
+
     assert resume_arguments(["r.yaml", "--overwrite_output_dir", "--training.resume_from_checkpoint", "out/c-2",
                              "--training.max_steps=9"]) == [
         "r.yaml", "--training.max_steps=9", "--training.resume_from_checkpoint", "true"]
