@@ -65,3 +65,30 @@ def test_the_resume_command_replaces_a_resume_or_an_overwrite_of_the_interrupted
         "r.yaml", "--training.max_steps=9", "--training.resume_from_checkpoint", "true"]
     assert resume_arguments(["r.yaml", "--training.resume_from_checkpoint=true"]) == [
         "r.yaml", "--training.resume_from_checkpoint", "true"]
+
+
+def test_ctrl_c_in_superoffload_launch_reports_the_checkpoint_and_the_resume_command_and_exits_130(tmp_path):
+    out = tmp_path / "out"
+    argv = ["launch", "--config_file", str(REPO / "recipes" / "accelerate" / "superoffload_cpu.yaml"),
+            "--num_processes", "1", str(REPO / "tests" / "scripts" / "stock_trainer_script.py"),
+            "--output_dir", str(out), "--max_steps", "100000", "--save_steps", "2", "--per_device_train_batch_size", "2",
+            "--report_to", "none", "--use_cpu", "--disable_tqdm", "true"]
+    # Its own process group, interrupted as a whole: what Ctrl-C in a terminal does.
+    proc = subprocess.Popen([sys.executable, "-m", "superoffload_hf.cli", *argv], cwd=tmp_path, env=offline_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: incomplete_reason(out / "checkpoint-2") is None, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-5000:]
+    report = next(line for line in err.splitlines() if "superoffload: interrupted at step " in line)
+    checkpoint = Path(report.split("last complete checkpoint ")[1].split(";")[0])
+    assert checkpoint.parent == out and incomplete_reason(checkpoint) is None, report
+    resume = shlex.split(report.split("resume with: ")[1])
+    assert resume == ["superoffload", *argv, "--resume_from_checkpoint", str(checkpoint)], report
+    assert err.rstrip().endswith("superoffload launch: interrupted (Ctrl-C); the training script's last lines above "
+                                 "say where it stopped and what to resume from"), err[-2000:]

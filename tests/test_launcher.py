@@ -63,7 +63,7 @@ def test_plan_strips_the_block_and_forwards_every_other_argument(tmp_path, confi
     assert plan.script_args == ["train.py", "--config_file", "script_own.yaml", "--learning_rate", "1e-3"]
     command = launcher.accelerate_command(plan, str(tmp_path))
     stripped = command[command.index("--config_file") + 1]
-    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert command[:3] == [sys.executable, "-m", "superoffload_hf.integrations.launch_child"]
     assert command[5:] == plan.accelerate_args + plan.script_args
     expected = yaml.safe_load(path.read_text())
     del expected["superoffload"]

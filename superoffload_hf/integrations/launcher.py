@@ -11,16 +11,19 @@ its config, so the launcher:
    N`, `--num_machines`, `--machine_rank`) run data parallel: the optimizer shards its state
    over the ranks and averages the gradients itself (Accelerate does not wrap the model in DDP);
 3. writes the stripped config to a temporary file and runs
-   `python -m accelerate.commands.launch --config_file <stripped> <the other arguments>` with
+   `python -m superoffload_hf.integrations.launch_child --config_file <stripped> <the other arguments>`
+   (accelerate launch that waits out a Ctrl-C, see launch_child.py) with
    `SUPEROFFLOAD_CONFIG_JSON` (the block) set and `launch_site/` first on PYTHONPATH, so that
    the script's stock `transformers.Trainer` trains with superoffload (see autopatch.py);
-4. returns accelerate's exit code.
+4. returns accelerate's exit code (130 after Ctrl-C, without a traceback).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +32,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from superoffload_hf.integrations.autopatch import CONFIG_ENV_VAR
+from superoffload_hf.integrations.launch_child import exit_status
+from superoffload_hf.integrations.launch_env import LAUNCH_COMMAND_ENV_VAR
 
 SITE_DIR = Path(__file__).resolve().parent / "launch_site"
 CONFIG_FLAGS = ("--config_file", "--config-file")
@@ -68,7 +73,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="superoffload_launch_") as tmp:
         command = accelerate_command(plan, tmp)
         env = launch_environment(os.environ, plan.superoffload, on_cpu=plan.on_cpu)
-        return subprocess.run(command, env=env).returncode
+        env[LAUNCH_COMMAND_ENV_VAR] = shlex.join(["superoffload", "launch", *argv])
+        return run_to_the_end(command, env)
+
+
+def run_to_the_end(command: list[str], env: dict[str, str]) -> int:
+    """Run `command` and return its exit status. Ctrl-C reaches the launched processes too (the
+    terminal interrupts its whole foreground group): wait for them to stop cleanly and return 130
+    without a traceback; a second Ctrl-C stops waiting and terminates them."""
+    process = subprocess.Popen(command, env=env)
+    interrupted = False
+    while True:
+        try:
+            returncode = process.wait()
+            break
+        except KeyboardInterrupt:
+            if interrupted:
+                process.terminate()
+            interrupted = True
+    status = exit_status(returncode)
+    if interrupted or status == 128 + signal.SIGINT:
+        print("superoffload launch: interrupted (Ctrl-C); the training script's last lines above say where it "
+              "stopped and what to resume from", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+    return status
 
 
 def plan_launch(argv: list[str]) -> LaunchPlan:
@@ -89,7 +117,7 @@ def plan_launch(argv: list[str]) -> LaunchPlan:
 
 
 def accelerate_command(plan: LaunchPlan, tmp_dir: str) -> list[str]:
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    command = [sys.executable, "-m", "superoffload_hf.integrations.launch_child"]  # accelerate launch, quiet on Ctrl-C
     if plan.accelerate_config is not None:
         stripped = Path(tmp_dir) / f"accelerate_config{plan.config_suffix}"
         _write_config(plan.accelerate_config, stripped)

@@ -164,3 +164,16 @@ def load_weights_only(trainer, checkpoint: Path) -> None:
     """Load the model weights of `checkpoint` into `trainer.model`, through the Trainer's own
     loader (every weight format it writes: safetensors, sharded, adapters)."""
     trainer._load_from_checkpoint(str(checkpoint))
+
+
+def interrupted_report(step: int, output_dir: Union[str, Path], resume_command_prefix: str) -> str:
+    """After Ctrl-C: the step reached, the newest complete checkpoint in `output_dir`, and the command
+    that resumes from it (`resume_command_prefix` followed by `--resume_from_checkpoint DIR`)."""
+    import shlex
+
+    checkpoint, _ = last_complete_checkpoint(output_dir)
+    if checkpoint is None:
+        return (f"interrupted at step {step}; no complete checkpoint in {output_dir} yet; "
+                f"start again with: {resume_command_prefix}")
+    return (f"interrupted at step {step}; last complete checkpoint {checkpoint}; resume with: "
+            f"{resume_command_prefix} --resume_from_checkpoint {shlex.quote(str(checkpoint))}")
