@@ -178,9 +178,9 @@ def train_command(argv: Sequence[str]) -> int:
         given = [t for t in argv[1:] if t.split("=")[0] in ("--num_processes", "--num_machines")]
         if given and not dry_run:
             raise ValueError(f"`{given[0].split('=')[0]}` sizes the memory that `--dry-run` prints; `superoffload "
-                             "train` trains in this one process. Add `--dry-run`, or start the processes "
-                             "with torchrun or `superoffload launch --num_processes N` (README \"Several "
-                             "GPUs and nodes\").")
+                             "train` itself starts one process. Add `--dry-run`, or start N training processes "
+                             f"with `torchrun --nproc_per_node N -m superoffload_hf.cli train {argv[0]} ...` "
+                             "(data parallel: each rank holds 1/N of the host state; gloo on CPUs, NCCL on GPUs).")
         overrides = timeline_overrides(tokens)
     except ValueError as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)

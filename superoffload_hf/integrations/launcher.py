@@ -10,6 +10,8 @@ its config, so the launcher:
 2. refuses DeepSpeed / FSDP / Megatron-LM configs and fp8; several processes (`--num_processes
    N`, `--num_machines`, `--machine_rank`) run data parallel: the optimizer shards its state
    over the ranks and averages the gradients itself (Accelerate does not wrap the model in DDP);
+   on a machine without GPUs, N > 1 processes are started with `--multi_gpu` (accelerate would
+   otherwise run one), and they train on the CPU over gloo;
 3. writes the stripped config to a temporary file and runs
    `python -m superoffload_hf.integrations.launch_child --config_file <stripped> <the other arguments>`
    (accelerate launch that waits out a Ctrl-C, see launch_child.py) with
@@ -112,8 +114,31 @@ def plan_launch(argv: list[str]) -> LaunchPlan:
     config = _read_config(config_path) if config_path is not None else None
     block = _pop_block(config, config_path)
     _check_combination(parsed, config, block)
+    accelerate_args += cpu_processes_flag(parsed, config)
     suffix = Path(config_path).suffix if config_path is not None else ".yaml"
     return LaunchPlan(accelerate_args, argv[script_at:], config, suffix, block)
+
+
+def cpu_processes_flag(parsed: Any, config: Optional[dict[str, Any]]) -> list[str]:
+    """`["--multi_gpu"]` when N > 1 processes are asked for on a machine without GPUs and nothing
+    else starts them: `accelerate launch` would run one process and say nothing. Its multi-process
+    launcher (torchrun) runs the N ranks on the CPU too, where they talk over gloo."""
+    import torch
+
+    config = config or {}
+    processes = parsed.num_processes if parsed.num_processes is not None else config.get("num_processes", 1)
+    distributed = str(config.get("distributed_type", "NO")).upper()
+    if int(processes or 1) <= 1 or parsed.multi_gpu or distributed != "NO" or torch.cuda.device_count() > 0:
+        return []
+    if parsed.cpu:
+        raise LaunchError(
+            f"`--cpu` starts one process, but `--num_processes` is {processes}. Drop `--cpu` (on a machine "
+            "without GPUs superoffload launch starts the processes with accelerate's `--multi_gpu` launcher, "
+            "gloo between them), e.g. `superoffload launch --config_file recipes/accelerate/superoffload_cpu.yaml "
+            f"--num_processes {processes} train.py ...`.")
+    print(f"superoffload launch: no GPU here: starting {processes} CPU processes (accelerate `--multi_gpu`, "
+          "gloo between them)", file=sys.stderr, flush=True)
+    return ["--multi_gpu"]
 
 
 def accelerate_command(plan: LaunchPlan, tmp_dir: str) -> list[str]:

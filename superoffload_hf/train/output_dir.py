@@ -50,8 +50,8 @@ def check_no_previous_run(output_dir: Path, resuming: bool, overwrite: bool) -> 
 def remove_previous_run(output_dir: Path) -> list[Path]:
     """`--overwrite_output_dir`: delete what a previous run saved in `output_dir`; the paths removed."""
     found = previous_run_outputs(output_dir)
-    for path in found:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in found:  # every rank of a torchrun start may get here: a path already gone is fine
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     return found
 
 
