@@ -26,12 +26,14 @@ from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.errors import CorruptStateError
 from superoffload_hf.integrations.checkpoint_save import CheckpointSaveError
 from superoffload_hf.integrations.resume import ResumeError
+from superoffload_hf.train.catalog import resolve_recipe
 from superoffload_hf.train.output_dir import OVERWRITE_FLAG
 from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeError, TokenizerSpec, load_recipe
 
 USAGE = """usage: superoffload train RECIPE.yaml [--dry-run [--num_processes N [--num_machines M]]] [--timeline DIR]
                           [--overwrite_output_dir] [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
+       superoffload recipes
        superoffload probe [--json FILE] [--recipe R.yaml]
        superoffload export-optimizer CHECKPOINT_DIR OUT.pt
 
@@ -43,7 +45,9 @@ commands:
            (`--num_machines M`: N / M ranks on each host; default 1 machine); a new run into
            an output_dir that holds another run's checkpoints is refused unless it resumes
            (`--training.resume_from_checkpoint true`) or `--overwrite_output_dir` removes them
+           RECIPE is a YAML file or the name of a shipped recipe (`superoffload train tiny_llama_cpu`)
   launch   `accelerate launch` with a `superoffload:` block in the accelerate config
+  recipes  list the shipped recipes
   probe    measure this machine's links, host and device Adam (and a recipe's backward);
            print the plan they imply (bucket size, device buckets, cast) and the step time
   export-optimizer  one file with every parameter's fp32 master and moments (the single-process
@@ -70,13 +74,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from superoffload_hf.integrations.launcher import main as launch_main
 
         return launch_main(rest)
+    if command == "recipes":
+        from superoffload_hf.train.catalog import recipes_listing
+
+        print(recipes_listing())
+        return 0
     if command == "probe":
         from superoffload_hf.perf.probe import main as probe_main
 
         return probe_main(rest)
     if command == "export-optimizer":
         return export_optimizer_command(rest)
-    print(f"superoffload: unknown command {command!r}; expected `train` or `launch`.\n\n{USAGE}", file=sys.stderr)
+    print(f"superoffload: unknown command {command!r}; expected `train` or `launch` (or `recipes`, `probe`, "
+          f"`export-optimizer`).\n\n{USAGE}", file=sys.stderr)
     return 2
 
 
@@ -103,7 +113,7 @@ def recipe_trains_on_cpu(argv: Sequence[str]) -> bool:
 
     value = None
     try:
-        value = ((load_yaml(Path(argv[0]).read_text()) or {}).get("training") or {}).get("use_cpu")
+        value = ((load_yaml(resolve_recipe(argv[0]).read_text()) or {}).get("training") or {}).get("use_cpu")
     except Exception:  # a missing or broken recipe: train_command says what is wrong
         pass
     for i, token in enumerate(argv):
@@ -187,7 +197,7 @@ def train_command(argv: Sequence[str]) -> int:
         return 2
     recipe = None
     try:
-        recipe = load_recipe(argv[0], overrides)
+        recipe = load_recipe(resolve_recipe(argv[0]), overrides)
         for warning in recipe.warnings:
             print(f"superoffload train: warning: {warning}", file=sys.stderr)
         check_output_dir(recipe, dry_run, overwrite)

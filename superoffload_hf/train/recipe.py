@@ -500,7 +500,8 @@ def read_recipe_yaml(path: Path, derived_from: tuple[Path, ...] = ()) -> dict[st
     """The raw mapping of a recipe file, merged over its `base:` recipe (a path relative to
     the file): mappings merge key by key, other values replace, null removes the base's key."""
     if not path.is_file():
-        raise RecipeError(f"Recipe file {str(path)!r} does not exist; pass a YAML recipe, e.g. recipes/tiny_llama_cpu.yaml.")
+        raise RecipeError(f"Recipe file {str(path)!r} does not exist; pass a YAML recipe file or the name of a shipped "
+                          "recipe, e.g. `tiny_llama_cpu` (`superoffload recipes` lists them).")
     if path.resolve() in derived_from:
         raise RecipeError(f"Recipe {str(path)!r} derives from itself through `base:`; break the cycle.")
     try:
