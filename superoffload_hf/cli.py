@@ -94,8 +94,14 @@ def export_optimizer_command(argv: Sequence[str]) -> int:
     """`superoffload export-optimizer CHECKPOINT_DIR OUT.pt`: 0 on success, 2 on bad input."""
     from superoffload_hf.engine.shard_checkpoint import export_consolidated
 
+    usage = ("usage: superoffload export-optimizer CHECKPOINT_DIR OUT.pt\n\nwrite one file with every parameter's "
+             "fp32 master and moments (the single-process state dict) from the per-rank shard files of a "
+             "data-parallel checkpoint")
+    if list(argv[:1]) in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(argv) != 2:
-        print("usage: superoffload export-optimizer CHECKPOINT_DIR OUT.pt", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     try:
         sd = export_consolidated(argv[0], argv[1])

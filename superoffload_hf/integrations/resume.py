@@ -109,6 +109,14 @@ def resolve_resume(resume: Union[bool, str, Path, None], output_dir: Union[str, 
                               f"checkpoint ({detail}). Run without resuming, or give a checkpoint directory.")
     else:
         checkpoint, skipped = Path(resume).expanduser(), []
+        inside = checkpoints_newest_first(checkpoint)
+        if inside and incomplete_reason(checkpoint) is not None:
+            newest, _ = last_complete_checkpoint(checkpoint)
+            example = f"e.g. {newest}, " if newest is not None else ""
+            raise ResumeError(f"Cannot resume from {str(resume)!r}: it is an output directory (it holds "
+                              f"{', '.join(p.name for p in inside[:3])}), not a checkpoint. Give one of its "
+                              f"checkpoints ({example}a checkpoint-N directory), or `resume_from_checkpoint: true` "
+                              "for the newest complete one in output_dir.")
         why = incomplete_reason(checkpoint)
         if why is not None:
             raise ResumeError(f"Cannot resume from {str(resume)!r}: {why}. Resume from an earlier checkpoint"

@@ -100,7 +100,7 @@ class SuperOffloadHooks:
             logger.warning("superoffload: skipped incomplete checkpoint %s: %s", path, why)
         if plan.checkpoint is None:
             return original_train(None, *args, **kwargs)
-        logger.warning("superoffload: %s", plan.describe()[-1])
+        logger.info("superoffload: %s", plan.describe()[-1])  # news, not a warning (`superoffload train` prints it)
         if plan.weights_only:
             load_weights_only(trainer, plan.checkpoint)
             return original_train(None, *args, **kwargs)
