@@ -8,8 +8,12 @@ built, shows the Trainer's progress bar, saves safetensors checkpoints in traini
 resumes with `--training.resume_from_checkpoint true`, and ends with a summary. `--dry-run`
 validates the recipe and prints it resolved and its memory (train/footprint.py), without loading
 a model or data; `--num_processes N [--num_machines M]` makes that memory one rank's of N
-data-parallel processes, and one host's. `launch` is `accelerate launch` with a superoffload
-config (superoffload_hf.integrations.launcher).
+data-parallel processes, and one host's. RECIPE may name a shipped recipe (`tiny_llama_cpu`;
+`recipes` lists them). Before anything loads, the output directory must be writable and hold no
+other run's checkpoints (train/output_dir.py), and hub names must be cached or reachable
+(train/hub.py); Ctrl-C prints the step reached, the last complete checkpoint and the command that
+resumes it, and exits 130. `launch` is `accelerate launch` with a superoffload config
+(superoffload_hf.integrations.launcher).
 """
 
 from __future__ import annotations
@@ -247,7 +251,8 @@ def interrupted_report(argv: Sequence[str], recipe: Recipe, step: Optional[int])
     output_dir = recipe.training["output_dir"]
     checkpoint, _ = last_complete_checkpoint(output_dir)
     reached = "before the first step" if step is None else f"at step {step}"
-    lines = [f"superoffload train: interrupted {reached} (of {recipe.training.get('max_steps', '?')})"]
+    max_steps = recipe.training.get("max_steps", -1)
+    lines = [f"superoffload train: interrupted {reached}" + (f" (of {max_steps})" if max_steps > 0 else "")]
     if checkpoint is None:
         lines += [f"  last complete checkpoint  none in {output_dir} (one every {recipe.training.get('save_steps', 500)} steps)",
                   f"  start again with          {shlex.join(['superoffload', 'train', *argv])}"]

@@ -11,6 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from superoffload_hf.engine.worker import InlineWorker, Pending
 from superoffload_hf.integrations.resume import incomplete_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,3 +95,17 @@ def test_ctrl_c_in_superoffload_launch_reports_the_checkpoint_and_the_resume_com
     assert resume == ["superoffload", *argv, "--resume_from_checkpoint", str(checkpoint)], report
     assert err.rstrip().endswith("superoffload launch: interrupted (Ctrl-C); the training script's last lines above "
                                  "say where it stopped and what to resume from"), err[-2000:]
+
+
+def test_ctrl_c_inside_an_inline_host_job_reaches_the_caller_as_a_keyboard_interrupt():
+    # On the CPU the host jobs run inline on the training thread, where the SIGINT lands.
+    worker, pending = InlineWorker(), Pending()
+
+    def interrupted_job():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        worker.submit(interrupted_job, pending)
+    assert pending.idle.is_set()
+    with pytest.raises(RuntimeError, match="host worker failed: KeyboardInterrupt"):
+        worker.submit(lambda: None, Pending())  # the optimizer is not used on after a half-run job
