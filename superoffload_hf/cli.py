@@ -8,14 +8,19 @@ built, shows the Trainer's progress bar, saves safetensors checkpoints in traini
 resumes with `--training.resume_from_checkpoint true`, and ends with a summary. `--dry-run`
 validates the recipe and prints it resolved and its memory (train/footprint.py), without loading
 a model or data; `--num_processes N [--num_machines M]` makes that memory one rank's of N
-data-parallel processes, and one host's. `launch` is `accelerate launch` with a superoffload
-config (superoffload_hf.integrations.launcher).
+data-parallel processes, and one host's. RECIPE may name a shipped recipe (`tiny_llama_cpu`;
+`recipes` lists them). Before anything loads, the output directory must be writable and hold no
+other run's checkpoints (train/output_dir.py), and hub names must be cached or reachable
+(train/hub.py); Ctrl-C prints the step reached, the last complete checkpoint and the command that
+resumes it, and exits 130. `launch` is `accelerate launch` with a superoffload config
+(superoffload_hf.integrations.launcher).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +28,16 @@ from typing import Any, Optional, Sequence
 
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.errors import CorruptStateError
+from superoffload_hf.integrations.checkpoint_save import CheckpointSaveError
 from superoffload_hf.integrations.resume import ResumeError
+from superoffload_hf.train.catalog import resolve_recipe
+from superoffload_hf.train.output_dir import OVERWRITE_FLAG
 from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeError, TokenizerSpec, load_recipe
 
 USAGE = """usage: superoffload train RECIPE.yaml [--dry-run [--num_processes N [--num_machines M]]] [--timeline DIR]
-                          [--section.key value ...]
+                          [--overwrite_output_dir] [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
+       superoffload recipes
        superoffload probe [--json FILE] [--recipe R.yaml]
        superoffload export-optimizer CHECKPOINT_DIR OUT.pt
 
@@ -37,8 +46,12 @@ commands:
            e.g. `superoffload train recipes/tiny_llama_cpu.yaml --training.max_steps 20`;
            `--dry-run` validates it and prints the memory per buffer kind, with
            `--num_processes N` per rank of N data-parallel processes and per host
-           (`--num_machines M`: N / M ranks on each host; default 1 machine)
+           (`--num_machines M`: N / M ranks on each host; default 1 machine); a new run into
+           an output_dir that holds another run's checkpoints is refused unless it resumes
+           (`--training.resume_from_checkpoint true`) or `--overwrite_output_dir` removes them
+           RECIPE is a YAML file or the name of a shipped recipe (`superoffload train tiny_llama_cpu`)
   launch   `accelerate launch` with a `superoffload:` block in the accelerate config
+  recipes  list the shipped recipes
   probe    measure this machine's links, host and device Adam (and a recipe's backward);
            print the plan they imply (bucket size, device buckets, cast) and the step time
   export-optimizer  one file with every parameter's fp32 master and moments (the single-process
@@ -65,13 +78,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from superoffload_hf.integrations.launcher import main as launch_main
 
         return launch_main(rest)
+    if command == "recipes":
+        from superoffload_hf.train.catalog import recipes_listing
+
+        print(recipes_listing())
+        return 0
     if command == "probe":
         from superoffload_hf.perf.probe import main as probe_main
 
         return probe_main(rest)
     if command == "export-optimizer":
         return export_optimizer_command(rest)
-    print(f"superoffload: unknown command {command!r}; expected `train` or `launch`.\n\n{USAGE}", file=sys.stderr)
+    print(f"superoffload: unknown command {command!r}; expected `train` or `launch` (or `recipes`, `probe`, "
+          f"`export-optimizer`).\n\n{USAGE}", file=sys.stderr)
     return 2
 
 
@@ -79,8 +98,14 @@ def export_optimizer_command(argv: Sequence[str]) -> int:
     """`superoffload export-optimizer CHECKPOINT_DIR OUT.pt`: 0 on success, 2 on bad input."""
     from superoffload_hf.engine.shard_checkpoint import export_consolidated
 
+    usage = ("usage: superoffload export-optimizer CHECKPOINT_DIR OUT.pt\n\nwrite one file with every parameter's "
+             "fp32 master and moments (the single-process state dict) from the per-rank shard files of a "
+             "data-parallel checkpoint")
+    if list(argv[:1]) in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(argv) != 2:
-        print("usage: superoffload export-optimizer CHECKPOINT_DIR OUT.pt", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     try:
         sd = export_consolidated(argv[0], argv[1])
@@ -98,7 +123,7 @@ def recipe_trains_on_cpu(argv: Sequence[str]) -> bool:
 
     value = None
     try:
-        value = ((load_yaml(Path(argv[0]).read_text()) or {}).get("training") or {}).get("use_cpu")
+        value = ((load_yaml(resolve_recipe(argv[0]).read_text()) or {}).get("training") or {}).get("use_cpu")
     except Exception:  # a missing or broken recipe: train_command says what is wrong
         pass
     for i, token in enumerate(argv):
@@ -166,34 +191,112 @@ def train_command(argv: Sequence[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     dry_run = "--dry-run" in argv[1:]
+    overwrite = OVERWRITE_FLAG in argv[1:]
     try:
-        tokens, num_processes, num_machines = process_count_options([t for t in argv[1:] if t != "--dry-run"])
+        tokens, num_processes, num_machines = process_count_options(
+            [t for t in argv[1:] if t not in ("--dry-run", OVERWRITE_FLAG)])
         given = [t for t in argv[1:] if t.split("=")[0] in ("--num_processes", "--num_machines")]
         if given and not dry_run:
             raise ValueError(f"`{given[0].split('=')[0]}` sizes the memory that `--dry-run` prints; `superoffload "
-                             "train` trains in this one process. Add `--dry-run`, or start the processes "
-                             "with torchrun or `superoffload launch --num_processes N` (README \"Several "
-                             "GPUs and nodes\").")
+                             "train` itself starts one process. Add `--dry-run`, or start N training processes "
+                             f"with `torchrun --nproc_per_node N -m superoffload_hf.cli train {argv[0]} ...` "
+                             "(data parallel: each rank holds 1/N of the host state; gloo on CPUs, NCCL on GPUs).")
         overrides = timeline_overrides(tokens)
     except ValueError as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)
         return 2
+    recipe = None
     try:
-        recipe = load_recipe(argv[0], overrides)
+        recipe = load_recipe(resolve_recipe(argv[0]), overrides)
         for warning in recipe.warnings:
             print(f"superoffload train: warning: {warning}", file=sys.stderr)
+        check_output_dir(recipe, dry_run, overwrite)
         if dry_run:
             from superoffload_hf.train.footprint import memory_report
 
             print(_dump_yaml(recipe.to_dict()), end="")
             print(memory_report(recipe, num_processes, num_machines))
             return 0
+        from superoffload_hf.train.hub import check_hub_names_reachable
+
+        check_hub_names_reachable(recipe)
         summary = train(recipe)
+    except (TrainingInterrupted, KeyboardInterrupt) as exc:
+        report = "superoffload train: interrupted" if recipe is None else interrupted_report(
+            argv, recipe, getattr(exc, "step", None))
+        print(report, file=sys.stderr, flush=True)
+        return 130
     except (RecipeError, ConfigError, CorruptStateError, ResumeError) as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)
         return 2
+    except CheckpointSaveError as exc:
+        print(f"superoffload train: error: {exc}", file=sys.stderr)
+        return 1
     print(summary.format())
     return 0
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C during `trainer.train()`, after `step` optimizer steps."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
+
+
+def interrupted_report(argv: Sequence[str], recipe: Recipe, step: Optional[int]) -> str:
+    """What Ctrl-C left: the step reached, the newest complete checkpoint, the command that resumes it."""
+    from superoffload_hf.integrations.resume import last_complete_checkpoint
+
+    output_dir = recipe.training["output_dir"]
+    checkpoint, _ = last_complete_checkpoint(output_dir)
+    reached = "before the first step" if step is None else f"at step {step}"
+    max_steps = recipe.training.get("max_steps", -1)
+    lines = [f"superoffload train: interrupted {reached}" + (f" (of {max_steps})" if max_steps > 0 else "")]
+    if checkpoint is None:
+        lines += [f"  last complete checkpoint  none in {output_dir} (one every {recipe.training.get('save_steps', 500)} steps)",
+                  f"  start again with          {shlex.join(['superoffload', 'train', *argv])}"]
+        return "\n".join(lines)
+    lines += [f"  last complete checkpoint  {checkpoint}",
+              f"  resume with               {shlex.join(['superoffload', 'train', *resume_arguments(argv)])}"]
+    return "\n".join(lines)
+
+
+def resume_arguments(argv: Sequence[str]) -> list[str]:
+    """`argv` of `superoffload train` with `--training.resume_from_checkpoint true` in place of any
+    resume or `--overwrite_output_dir` it had (the run continues where its checkpoints are)."""
+    out, skip_value = [], False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+        elif token == "--training.resume_from_checkpoint":
+            skip_value = True
+        elif token != OVERWRITE_FLAG and not token.startswith("--training.resume_from_checkpoint="):
+            out.append(token)
+    return out + ["--training.resume_from_checkpoint", "true"]
+
+
+def check_output_dir(recipe: Recipe, dry_run: bool, overwrite: bool) -> None:
+    """`training.output_dir` writable, and free of another run's checkpoints unless this run resumes
+    or `--overwrite_output_dir` removes them (a dry run only warns: it writes nothing there)."""
+    from superoffload_hf.train.output_dir import (
+        OutputDirError, check_no_previous_run, check_writable, remove_previous_run)
+
+    output_dir = Path(recipe.training["output_dir"]).expanduser()
+    resuming = recipe.training.get("resume_from_checkpoint") not in (None, False)
+    if overwrite and resuming:
+        raise OutputDirError(f"`{OVERWRITE_FLAG}` would remove the checkpoints that "
+                             "`training.resume_from_checkpoint` resumes from; drop one of the two.")
+    check_writable(output_dir)
+    try:
+        check_no_previous_run(output_dir, resuming, overwrite)
+    except OutputDirError as exc:
+        if not dry_run:
+            raise
+        print(f"superoffload train: warning: {exc}", file=sys.stderr)
+    if overwrite and not dry_run:
+        for path in remove_previous_run(output_dir):
+            print(f"superoffload train: {OVERWRITE_FLAG}: removed {path}", flush=True)
 
 
 def recipe_keys_help() -> str:
@@ -313,7 +416,10 @@ def train(recipe: Recipe) -> "TrainSummary":
     if resume.weights_only:
         load_weights_only(trainer, resume.checkpoint)
     full_resume = None if resume.checkpoint is None or resume.weights_only else str(resume.checkpoint)
-    output = trainer.train(resume_from_checkpoint=full_resume)
+    try:
+        output = trainer.train(resume_from_checkpoint=full_resume)
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(trainer.state.global_step) from None
     checkpoint = _final_checkpoint(trainer, args)
     return _summarize(recipe, args, trainer, output, recorder, checkpoint)
 

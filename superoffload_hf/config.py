@@ -184,8 +184,12 @@ class SuperOffloadConfig:
         values = dict(values or {})
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
+            import difflib
+
+            close = {k: difflib.get_close_matches(str(k), cls.field_names(), n=1) for k in unknown}
+            hint = "".join(f" Did you mean `{match[0]}` for `{k}`?" for k, match in close.items() if match)
             raise ConfigError(
-                f"Unknown SuperOffloadConfig key(s) {unknown}; valid keys are "
+                f"Unknown SuperOffloadConfig key(s) {unknown};{hint} valid keys are "
                 f"{sorted(cls.field_names())}. Check the spelling in your superoffload config."
             )
         return cls(**values)

@@ -348,6 +348,7 @@ def test_num_processes_without_dry_run_is_refused_before_anything_loads(capsys, 
     assert main(["train", TINY, "--num_processes", "8"]) == 2
     err = capsys.readouterr().err
     assert "`--num_processes` sizes the memory that `--dry-run` prints" in err and "Add `--dry-run`" in err
+    assert f"`torchrun --nproc_per_node N -m superoffload_hf.cli train {TINY} ...`" in err, err
 
 
 def test_python_dash_m_runs_the_cli():

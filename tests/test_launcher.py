@@ -15,6 +15,7 @@ import transformers
 import yaml
 from accelerate.commands.config import load_config_from_file
 
+from superoffload_hf.engine.shard_checkpoint import shard_files
 from superoffload_hf.integrations import autopatch, launch_env, launcher
 from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptimizer
 from superoffload_hf.integrations.callback import LOG_PREFIX
@@ -63,7 +64,7 @@ def test_plan_strips_the_block_and_forwards_every_other_argument(tmp_path, confi
     assert plan.script_args == ["train.py", "--config_file", "script_own.yaml", "--learning_rate", "1e-3"]
     command = launcher.accelerate_command(plan, str(tmp_path))
     stripped = command[command.index("--config_file") + 1]
-    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert command[:3] == [sys.executable, "-m", "superoffload_hf.integrations.launch_child"]
     assert command[5:] == plan.accelerate_args + plan.script_args
     expected = yaml.safe_load(path.read_text())
     del expected["superoffload"]
@@ -110,11 +111,29 @@ def test_launcher_refuses_what_superoffload_cannot_combine_with(tmp_path, capsys
     assert refused in capsys.readouterr().err
 
 
-def test_launcher_accepts_several_processes_and_machines(tmp_path):
+def test_launcher_accepts_several_processes_and_machines(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # GPUs: accelerate starts the processes itself
     path = write_config(tmp_path, {"speculation": "on"})
     plan = launcher.plan_launch(["--config_file", str(path), "--num_processes", "4", "--num_machines", "2",
                                  "--machine_rank", "1", "train.py"])
     assert plan.accelerate_args == ["--num_processes", "4", "--num_machines", "2", "--machine_rank", "1"]
+
+
+@pytest.mark.parametrize("processes", [["--num_processes", "2"], ["--num_processes=2"]])
+def test_several_processes_without_gpus_are_started_with_the_multi_process_launcher(tmp_path, monkeypatch, processes,
+                                                                                   capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    plan = launcher.plan_launch(["--config_file", str(CPU_CONFIG), *processes, "train.py"])
+    assert plan.accelerate_args == [*processes, "--multi_gpu"]
+    assert "starting 2 CPU processes" in capsys.readouterr().err
+    assert launcher.plan_launch(["--config_file", str(CPU_CONFIG), "train.py"]).accelerate_args == []
+
+
+def test_several_processes_with_cpu_flag_are_refused_with_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert launcher.main(["--cpu", "--num_processes", "2", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "`--cpu` starts one process, but `--num_processes` is 2. Drop `--cpu`" in err and "superoffload_cpu.yaml" in err
 
 
 # ---- the autopatch --------------------------------------------------------------------------------
@@ -189,3 +208,22 @@ def test_an_unmodified_stock_trainer_script_trains_with_superoffload_through_the
     assert records[-1][LOG_PREFIX + "speculative_steps"] >= 1  # the block's speculation: "on" arrived
     # The host Adam's pool follows the block's host_threads: 2, not OMP_NUM_THREADS=1.
     assert "reference/none x2 threads" in streams.err
+
+
+def test_launch_with_two_processes_on_a_machine_without_gpus_trains_two_data_parallel_ranks(tmp_path, monkeypatch,
+                                                                                           capfd):
+    if torch.cuda.device_count() > 0:
+        pytest.skip("a machine with GPUs: accelerate starts the processes itself")
+    output = tmp_path / "out"
+    for name, value in child_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    code = launcher.main([
+        "--config_file", str(CPU_CONFIG), "--num_processes", "2", str(STOCK_SCRIPT), "--output_dir", str(output),
+        "--max_steps", "2", "--save_steps", "2", "--per_device_train_batch_size", "2", "--report_to", "none",
+        "--use_cpu", "--disable_tqdm", "true"])
+    streams = capfd.readouterr()
+    assert code == 0, streams.out[-3000:] + streams.err[-3000:]
+    assert [Path(f).name for f in shard_files(str(output / "checkpoint-2"))] == [
+        "optimizer.shard-00000-of-00002.pt", "optimizer.shard-00001-of-00002.pt"]
+    assert "data parallel rank 1/2" in streams.err

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# What `pip install git+...` sees of the checkout (tests, benchmarks and recipes are not needed).
-BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "superoffload_hf", "csrc")
+# What `pip install git+...` sees of the checkout (tests and benchmarks are not needed).
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "superoffload_hf", "csrc", "recipes")
 
 CHECK_INSTALLED = """
 import sys, torch
@@ -56,6 +56,8 @@ def test_a_wheel_install_builds_the_kernel_from_its_own_sources(tmp_path):
     for shipped in ("binding.cpp", "dispatch.cpp", "adam_scalar.cpp", "adam_avx2.cpp", "adam_neon.cpp",
                     "grace_adam.h", "thread_pool.h"):
         assert f"superoffload_hf/_csrc/grace_adam/{shipped}" in names, shipped
+    for recipe in ("tiny_llama_cpu.yaml", "tiny_llama_cpu_stock.yaml", "accelerate/superoffload_cpu.yaml"):
+        assert f"superoffload_hf/_recipes/{recipe}" in names, recipe
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
@@ -69,3 +71,10 @@ def test_a_wheel_install_builds_the_kernel_from_its_own_sources(tmp_path):
     assert proc.stdout.startswith("cpp "), proc.stdout
     assert "building the GraceAdam host Adam kernel" in proc.stderr  # built here, from the wheel's sources
     assert str(tmp_path / "cache") in proc.stderr
+    # The shipped recipes, by name, from a directory that has no recipes/.
+    listed = subprocess.run([sys.executable, "-m", "superoffload_hf.cli", "recipes"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0 and f"(in {site / 'superoffload_hf' / '_recipes'})" in listed.stdout, listed
+    dry = subprocess.run([sys.executable, "-m", "superoffload_hf.cli", "train", "tiny_llama_cpu", "--dry-run"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0 and "\nmemory: " in dry.stdout, dry.stderr[-3000:]

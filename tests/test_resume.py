@@ -58,3 +58,13 @@ def test_empty_or_truncated_optimizer_state_names_the_file_and_the_previous_chec
 def test_no_resume_asked_loads_nothing(tmp_path):
     assert resolve_resume(None, tmp_path).checkpoint is None
     assert resolve_resume(False, tmp_path).checkpoint is None
+
+
+def test_resuming_from_the_output_directory_itself_says_so_and_names_a_checkpoint(tmp_path):
+    write_checkpoint(tmp_path / "checkpoint-10", 10)
+    write_checkpoint(tmp_path / "checkpoint-20", 20)
+    with pytest.raises(ResumeError) as error:
+        resolve_resume(str(tmp_path), tmp_path)
+    message = str(error.value)
+    assert "it is an output directory (it holds checkpoint-20, checkpoint-10), not a checkpoint" in message, message
+    assert f"e.g. {tmp_path / 'checkpoint-20'}" in message and "interrupted" not in message

@@ -308,10 +308,12 @@ def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog):
     crashed.mkdir()
     (crashed / "model.safetensors").write_bytes((tmp_path / "interrupted" / "checkpoint-4" / "model.safetensors").read_bytes())
     (crashed / "optimizer.pt").write_bytes(b"")
-    with caplog.at_level("WARNING", logger="superoffload_hf"):
+    with caplog.at_level("INFO", logger="superoffload_hf"):
         resumed = train(make_args(tmp_path, "interrupted", **overrides), resume=True)
     assert f"skipped incomplete checkpoint {crashed}: it has no trainer_state.json" in caplog.text
     assert f"resuming from {tmp_path / 'interrupted' / 'checkpoint-4'}" in caplog.text
+    # News, not a warning: `superoffload train` prints it itself, and a warning would print it twice.
+    assert [r.levelname for r in caplog.records if "resuming from" in r.getMessage()] == ["INFO"]
     for (name, expected), (_, actual) in zip(uninterrupted.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(actual, expected), name
 

@@ -132,6 +132,8 @@ class InlineWorker:
             fn()
         except BaseException as error:  # as in the thread: recorded, then raised here and later
             self._failure.error = error
+            if isinstance(error, KeyboardInterrupt):
+                raise  # Ctrl-C on the training thread: the caller reports it as such; the worker stays failed
         finally:
             pending.done()
         self.raise_if_failed()

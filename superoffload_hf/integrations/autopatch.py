@@ -13,7 +13,8 @@ Active only in processes started by `superoffload launch`:
    `SuperOffloadHooks` our own `Trainer` uses (optimizer creation, clipping, grad-norm
    reporting) and the `SuperOffloadCallback`. Nothing else in transformers is changed.
 
-In launched processes the `superoffload_hf` logger prints INFO records on stderr (what the
+In launched processes an uncaught Ctrl-C prints one line, not a traceback, and the
+`superoffload_hf` logger prints INFO records on stderr (what the
 engine decided: buckets, device dtype, host Adam and its thread count). Without the variable
 none of this happens. Our own `superoffload_hf.Trainer` reads the launch
 settings through `launch_plugin()` when its arguments do not turn superoffload on themselves.
@@ -45,7 +46,9 @@ def install_from_environment(environ: Mapping[str, str] = os.environ) -> bool:
     if not isinstance(block, dict):
         raise ValueError(f"{CONFIG_ENV_VAR} must hold a JSON object of SuperOffloadConfig fields, got {raw!r}.")
     launch_env.set_launch_block(block)
+    launch_env.set_launch_command(environ.get(launch_env.LAUNCH_COMMAND_ENV_VAR))
     _show_superoffload_logs()
+    _install_interrupt_hook()
     if TRAINER_MODULE in sys.modules:
         _patch_trainer_module(sys.modules[TRAINER_MODULE])
     else:
@@ -62,6 +65,20 @@ def _show_superoffload_logs() -> None:
         handler.setFormatter(logging.Formatter("[superoffload] %(message)s"))
         package_logger.addHandler(handler)
         package_logger.setLevel(logging.INFO)
+
+
+def _install_interrupt_hook() -> None:
+    """An uncaught Ctrl-C prints one line instead of a traceback; the Trainer, if one was training,
+    has already logged where it stopped and what to resume from. Python still exits by SIGINT (130)."""
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if issubclass(kind, KeyboardInterrupt):
+            sys.stderr.write("superoffload launch: the training script was interrupted (Ctrl-C)\n")
+            return
+        previous(kind, value, traceback)
+
+    sys.excepthook = excepthook
 
 
 def _patch_trainer_module(module: Any) -> None:

@@ -10,17 +10,22 @@ its config, so the launcher:
 2. refuses DeepSpeed / FSDP / Megatron-LM configs and fp8; several processes (`--num_processes
    N`, `--num_machines`, `--machine_rank`) run data parallel: the optimizer shards its state
    over the ranks and averages the gradients itself (Accelerate does not wrap the model in DDP);
+   on a machine without GPUs, N > 1 processes are started with `--multi_gpu` (accelerate would
+   otherwise run one), and they train on the CPU over gloo;
 3. writes the stripped config to a temporary file and runs
-   `python -m accelerate.commands.launch --config_file <stripped> <the other arguments>` with
+   `python -m superoffload_hf.integrations.launch_child --config_file <stripped> <the other arguments>`
+   (accelerate launch that waits out a Ctrl-C, see launch_child.py) with
    `SUPEROFFLOAD_CONFIG_JSON` (the block) set and `launch_site/` first on PYTHONPATH, so that
    the script's stock `transformers.Trainer` trains with superoffload (see autopatch.py);
-4. returns accelerate's exit code.
+4. returns accelerate's exit code (130 after Ctrl-C, without a traceback).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from superoffload_hf.integrations.autopatch import CONFIG_ENV_VAR
+from superoffload_hf.integrations.launch_child import exit_status
+from superoffload_hf.integrations.launch_env import LAUNCH_COMMAND_ENV_VAR
 
 SITE_DIR = Path(__file__).resolve().parent / "launch_site"
 CONFIG_FLAGS = ("--config_file", "--config-file")
@@ -68,7 +75,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="superoffload_launch_") as tmp:
         command = accelerate_command(plan, tmp)
         env = launch_environment(os.environ, plan.superoffload, on_cpu=plan.on_cpu)
-        return subprocess.run(command, env=env).returncode
+        env[LAUNCH_COMMAND_ENV_VAR] = shlex.join(["superoffload", "launch", *argv])
+        return run_to_the_end(command, env)
+
+
+def run_to_the_end(command: list[str], env: dict[str, str]) -> int:
+    """Run `command` and return its exit status. Ctrl-C reaches the launched processes too (the
+    terminal interrupts its whole foreground group): wait for them to stop cleanly and return 130
+    without a traceback; a second Ctrl-C stops waiting and terminates them."""
+    process = subprocess.Popen(command, env=env)
+    interrupted = False
+    while True:
+        try:
+            returncode = process.wait()
+            break
+        except KeyboardInterrupt:
+            if interrupted:
+                process.terminate()
+            interrupted = True
+    status = exit_status(returncode)
+    if interrupted or status == 128 + signal.SIGINT:
+        print("superoffload launch: interrupted (Ctrl-C); the training script's last lines above say where it "
+              "stopped and what to resume from", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+    return status
 
 
 def plan_launch(argv: list[str]) -> LaunchPlan:
@@ -84,12 +114,35 @@ def plan_launch(argv: list[str]) -> LaunchPlan:
     config = _read_config(config_path) if config_path is not None else None
     block = _pop_block(config, config_path)
     _check_combination(parsed, config, block)
+    accelerate_args += cpu_processes_flag(parsed, config)
     suffix = Path(config_path).suffix if config_path is not None else ".yaml"
     return LaunchPlan(accelerate_args, argv[script_at:], config, suffix, block)
 
 
+def cpu_processes_flag(parsed: Any, config: Optional[dict[str, Any]]) -> list[str]:
+    """`["--multi_gpu"]` when N > 1 processes are asked for on a machine without GPUs and nothing
+    else starts them: `accelerate launch` would run one process and say nothing. Its multi-process
+    launcher (torchrun) runs the N ranks on the CPU too, where they talk over gloo."""
+    import torch
+
+    config = config or {}
+    processes = parsed.num_processes if parsed.num_processes is not None else config.get("num_processes", 1)
+    distributed = str(config.get("distributed_type", "NO")).upper()
+    if int(processes or 1) <= 1 or parsed.multi_gpu or distributed != "NO" or torch.cuda.device_count() > 0:
+        return []
+    if parsed.cpu:
+        raise LaunchError(
+            f"`--cpu` starts one process, but `--num_processes` is {processes}. Drop `--cpu` (on a machine "
+            "without GPUs superoffload launch starts the processes with accelerate's `--multi_gpu` launcher, "
+            "gloo between them), e.g. `superoffload launch --config_file recipes/accelerate/superoffload_cpu.yaml "
+            f"--num_processes {processes} train.py ...`.")
+    print(f"superoffload launch: no GPU here: starting {processes} CPU processes (accelerate `--multi_gpu`, "
+          "gloo between them)", file=sys.stderr, flush=True)
+    return ["--multi_gpu"]
+
+
 def accelerate_command(plan: LaunchPlan, tmp_dir: str) -> list[str]:
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    command = [sys.executable, "-m", "superoffload_hf.integrations.launch_child"]  # accelerate launch, quiet on Ctrl-C
     if plan.accelerate_config is not None:
         stripped = Path(tmp_dir) / f"accelerate_config{plan.config_suffix}"
         _write_config(plan.accelerate_config, stripped)

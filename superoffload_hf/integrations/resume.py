@@ -109,6 +109,14 @@ def resolve_resume(resume: Union[bool, str, Path, None], output_dir: Union[str, 
                               f"checkpoint ({detail}). Run without resuming, or give a checkpoint directory.")
     else:
         checkpoint, skipped = Path(resume).expanduser(), []
+        inside = checkpoints_newest_first(checkpoint)
+        if inside and incomplete_reason(checkpoint) is not None:
+            newest, _ = last_complete_checkpoint(checkpoint)
+            example = f"e.g. {newest}, " if newest is not None else ""
+            raise ResumeError(f"Cannot resume from {str(resume)!r}: it is an output directory (it holds "
+                              f"{', '.join(p.name for p in inside[:3])}), not a checkpoint. Give one of its "
+                              f"checkpoints ({example}a checkpoint-N directory), or `resume_from_checkpoint: true` "
+                              "for the newest complete one in output_dir.")
         why = incomplete_reason(checkpoint)
         if why is not None:
             raise ResumeError(f"Cannot resume from {str(resume)!r}: {why}. Resume from an earlier checkpoint"
@@ -164,3 +172,16 @@ def load_weights_only(trainer, checkpoint: Path) -> None:
     """Load the model weights of `checkpoint` into `trainer.model`, through the Trainer's own
     loader (every weight format it writes: safetensors, sharded, adapters)."""
     trainer._load_from_checkpoint(str(checkpoint))
+
+
+def interrupted_report(step: int, output_dir: Union[str, Path], resume_command_prefix: str) -> str:
+    """After Ctrl-C: the step reached, the newest complete checkpoint in `output_dir`, and the command
+    that resumes from it (`resume_command_prefix` followed by `--resume_from_checkpoint DIR`)."""
+    import shlex
+
+    checkpoint, _ = last_complete_checkpoint(output_dir)
+    if checkpoint is None:
+        return (f"interrupted at step {step}; no complete checkpoint in {output_dir} yet; "
+                f"start again with: {resume_command_prefix}")
+    return (f"interrupted at step {step}; last complete checkpoint {checkpoint}; resume with: "
+            f"{resume_command_prefix} --resume_from_checkpoint {shlex.quote(str(checkpoint))}")

@@ -9,6 +9,9 @@ With `superoffload=True` three Trainer methods change, and nothing else:
 - `_get_grad_norm`: returns a placeholder that `SuperOffloadCallback` fills with the
   optimizer's `last_grad_norm` right after the step, before the Trainer logs it.
 
+With superoffload on or off, a checkpoint save that fails (a full disk, Ctrl-C) leaves the
+previous checkpoints as they were and says so (`checkpoint_save.py`).
+
 `SuperOffloadHooks` implements the three; the `Trainer` subclass here calls them, and the
 launcher's autopatch (`autopatch.py`) binds them onto a stock `transformers.Trainer`.
 """
@@ -18,12 +21,14 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Union
 
 from transformers import Trainer as HFTrainer
 from transformers import TrainingArguments as HFTrainingArguments
 
 from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
+from superoffload_hf.integrations.checkpoint_save import save_checkpoint_keeping_previous
 from superoffload_hf.integrations.launch_env import launch_plugin
 from superoffload_hf.integrations.trainer_hooks import (
     _HF_DEFAULT_OPTIM,
@@ -140,6 +145,12 @@ class Trainer(HFTrainer):
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         return self.superoffload.get_grad_norm(model, grad_norm=grad_norm)
 
+    def _save_checkpoint(self, model, trial) -> None:
+        if trial is not None:  # a hyperparameter search writes into per-trial run directories
+            return super()._save_checkpoint(model, trial)
+        return save_checkpoint_keeping_previous(lambda: super(Trainer, self)._save_checkpoint(model, trial),
+                                                Path(self.args.output_dir), self.state.global_step,
+                                                single_writer=self.args.world_size == 1)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.superoffload is None:

@@ -27,7 +27,8 @@ from superoffload_hf.integrations.accelerate import (
 )
 from superoffload_hf.integrations.callback import SuperOffloadCallback, unwrap_optimizer
 from superoffload_hf.engine.shard_checkpoint import shard_files
-from superoffload_hf.integrations.resume import load_weights_only, resolve_resume
+from superoffload_hf.integrations import launch_env
+from superoffload_hf.integrations.resume import interrupted_report, load_weights_only, resolve_resume
 from superoffload_hf.optimizer import SuperOffloadAdamW
 
 logger = logging.getLogger("superoffload_hf.integrations.trainer")
@@ -82,6 +83,16 @@ class SuperOffloadHooks:
     def train(self, original_train, resume_from_checkpoint=None, *args, **kwargs):
         """`Trainer.train`, resuming only from a complete checkpoint with its optimizer state (or,
         when `resume_weights_only` is set, from its weights only, at step 0); see resume.py."""
+        try:
+            return self._train(original_train, resume_from_checkpoint, *args, **kwargs)
+        except KeyboardInterrupt:
+            command = launch_env.launch_command()
+            if command is not None:  # in-process callers (`superoffload train`) report it themselves
+                logger.warning("superoffload: %s", interrupted_report(
+                    self.trainer.state.global_step, self.trainer.args.output_dir, command))
+            raise
+
+    def _train(self, original_train, resume_from_checkpoint=None, *args, **kwargs):
         trainer = self.trainer
         plan = resolve_resume(resume_from_checkpoint, trainer.args.output_dir,
                               weights_only=bool(getattr(trainer.args, "resume_weights_only", False)))
@@ -89,7 +100,7 @@ class SuperOffloadHooks:
             logger.warning("superoffload: skipped incomplete checkpoint %s: %s", path, why)
         if plan.checkpoint is None:
             return original_train(None, *args, **kwargs)
-        logger.warning("superoffload: %s", plan.describe()[-1])
+        logger.info("superoffload: %s", plan.describe()[-1])  # news, not a warning (`superoffload train` prints it)
         if plan.weights_only:
             load_weights_only(trainer, plan.checkpoint)
             return original_train(None, *args, **kwargs)

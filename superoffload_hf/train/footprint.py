@@ -30,7 +30,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     if model_config is None:
         name = recipe.model.name_or_path
         return (f"memory: not estimated: the config.json of {name!r} is not available locally "
-                f"(`huggingface-cli download {name} config.json` fetches it)")
+                f"(`hf download {name} config.json` on a machine with network fetches it; or set `model.name_or_path` to a local directory with its config.json)")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=getattr(torch, recipe.model_dtype))
     params = [p for p in model.parameters() if p.requires_grad]

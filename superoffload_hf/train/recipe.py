@@ -489,18 +489,31 @@ def load_recipe(path: Union[str, Path], overrides: Sequence[str] = ()) -> Recipe
     """Read a recipe YAML (and the chain of `base:` recipes it derives from), apply
     command-line override tokens, and validate it."""
     path = Path(path)
+    parsed: list[tuple[str, Any]] = []
     try:
         raw = read_recipe_yaml(path)
-        return recipe_from_dict(apply_overrides(raw, parse_overrides(overrides)), source=str(path))
+        parsed = parse_overrides(overrides)
+        return recipe_from_dict(apply_overrides(raw, parsed), source=str(path))
     except (RecipeError, ConfigError) as exc:
-        raise RecipeError(f"{path}: {exc}") from exc
+        raise RecipeError(f"{_blamed(exc, parsed, path)}: {exc}") from exc
+
+
+def _blamed(error: Exception, overrides: Sequence[tuple[str, Any]], path: Path) -> str:
+    """Where the bad key came from: the command-line override the error names, else the recipe file."""
+    message = str(error)
+    for key, _ in overrides:
+        leaf = key.rsplit(".", 1)[-1]
+        if f"`{key}`" in message or (key.startswith("superoffload.") and f"'{leaf}'" in message):
+            return f"on the command line, `--{key}`"
+    return str(path)
 
 
 def read_recipe_yaml(path: Path, derived_from: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The raw mapping of a recipe file, merged over its `base:` recipe (a path relative to
     the file): mappings merge key by key, other values replace, null removes the base's key."""
     if not path.is_file():
-        raise RecipeError(f"Recipe file {str(path)!r} does not exist; pass a YAML recipe, e.g. recipes/tiny_llama_cpu.yaml.")
+        raise RecipeError(f"Recipe file {str(path)!r} does not exist; pass a YAML recipe file or the name of a shipped "
+                          "recipe, e.g. `tiny_llama_cpu` (`superoffload recipes` lists them).")
     if path.resolve() in derived_from:
         raise RecipeError(f"Recipe {str(path)!r} derives from itself through `base:`; break the cycle.")
     try:

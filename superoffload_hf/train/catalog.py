@@ -1,0 +1,62 @@
+"""The recipes that ship with the package, found by name: `superoffload train tiny_llama_cpu`.
+
+They live at the repository root in recipes/; a wheel build (setup.py) copies them to
+superoffload_hf/_recipes/, where an installed package finds them (an editable install and a
+checkout read recipes/ itself). The accelerate configs of recipes/accelerate/ travel with them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def recipes_dir() -> Optional[Path]:
+    """Where the shipped recipes are: the installed copy, else the checkout's recipes/."""
+    for candidate in (PACKAGE_DIR / "_recipes", PACKAGE_DIR.parent / "recipes"):
+        if candidate.is_dir() and any(candidate.glob("*.yaml")):
+            return candidate
+    return None
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """name -> file of every shipped recipe (accelerate configs excluded)."""
+    directory = recipes_dir()
+    return {} if directory is None else {p.stem: p for p in sorted(directory.glob("*.yaml"))}
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    """An existing file as given; otherwise a shipped recipe of that name (`tiny_llama_cpu`, with or
+    without `.yaml`, or `recipes/tiny_llama_cpu.yaml` run outside the checkout); otherwise the path
+    as given, for the recipe loader to report as missing."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = shipped_recipes()
+    name = path.name[:-len(".yaml")] if path.name.endswith(".yaml") else path.name
+    if name in shipped and (path.parent == Path(".") or path.parent.name == "recipes"):
+        return shipped[name]
+    return path
+
+
+def describe(path: Path) -> str:
+    """The first comment line of a recipe file (what it trains)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def recipes_listing() -> str:
+    """What `superoffload recipes` prints: each shipped recipe's name, file and first comment line."""
+    shipped = shipped_recipes()
+    if not shipped:
+        return "superoffload recipes: none found (the package was installed without its recipes/)"
+    width = max(len(name) for name in shipped)
+    lines = [f"shipped recipes (in {recipes_dir()}); run one with `superoffload train NAME`:"]
+    lines += [f"  {name:<{width}}  {describe(path)}" for name, path in shipped.items()]
+    return "\n".join(lines)
