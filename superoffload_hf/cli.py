@@ -172,7 +172,7 @@ def train_command(argv: Sequence[str]) -> int:
         if given and not dry_run:
             raise ValueError(f"`{given[0].split('=')[0]}` sizes the memory that `--dry-run` prints; `superoffload "
                              "train` trains in this one process. Add `--dry-run`, or start the processes "
-                             "with torchrun or `superoffload launch --num_processes N` (README \"Several "
+                             "with torchrun or `superoffload launch --num_processes N` (docs/data-parallel.md, \"Several "
                              "GPUs and nodes\").")
         overrides = timeline_overrides(tokens)
     except ValueError as exc:
@@ -205,7 +205,7 @@ def recipe_keys_help() -> str:
                          for f in dataclasses.fields(cls) if f.init)
 
     return "\n".join([
-        "recipe sections and keys (override any with --section.key value; README \"Config fields\"):",
+        "recipe sections and keys (override any with --section.key value; docs/config.md):",
         f"  model:         {keys(ModelSpec)}   (exactly one of config / name_or_path)",
         f"  tokenizer:     {keys(TokenizerSpec)}",
         f"  data:          {keys(DataSpec)}   (exactly one of shipped_corpus / name / files)",
