@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,8 @@ import pytest
 from superoffload_hf import cli
 from superoffload_hf.cli import main
 from superoffload_hf.train.recipe import read_recipe_yaml
+
+from _readme import shown_commands
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny_llama_cpu.yaml")
@@ -97,10 +98,7 @@ def test_dry_run_warns_about_another_runs_checkpoints_and_touches_nothing(tmp_pa
 
 
 def readme_train_commands() -> list[list[str]]:
-    text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
-    lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
-    return [shlex.split(line)[2:] for line in lines if line.startswith("superoffload train recipes/")]
+    return [c[1:] for c in shown_commands("superoffload") if c[:1] == ["train"] and c[1].startswith("recipes/")]
 
 
 def output_dir_of(args: list[str]) -> str:

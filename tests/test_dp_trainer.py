@@ -16,8 +16,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
-STOCK_SCRIPT = SCRIPTS / "stock_trainer_script.py"
-OUR_SCRIPT = SCRIPTS / "superoffload_trainer_script.py"
+EXAMPLES = REPO / "examples"
+STOCK_SCRIPT = EXAMPLES / "stock_trainer.py"
+OUR_SCRIPT = EXAMPLES / "superoffload_trainer.py"
 BLOCK = {"host_kernel": "reference", "speculation": "on"}
 TRAIN_ARGS = ["--max_steps", "6", "--per_device_train_batch_size", "4", "--logging_steps", "1",
               "--report_to", "none", "--use_cpu", "--disable_tqdm", "true", "--learning_rate", "1e-3",
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(EXAMPLES), os.environ.get("PYTHONPATH", "")]),
                 OMP_NUM_THREADS="1")
 
 
@@ -148,7 +149,7 @@ def test_launcher_two_processes_trains_an_unmodified_trl_sft_script(tmp_path):
     """An unmodified TRL SFT script (SFTTrainer, SFTConfig from the command line) under
     `superoffload launch --num_processes 2` against stock DDP. TRL's SFTConfig defaults to
     `bf16=True`: stock Accelerate then autocasts over fp32 weights, while superoffload by default
-    keeps bf16 weights on the device (README "Precision"). With `device_dtype: fp32` ours is the
+    keeps bf16 weights on the device (docs/trainer.md, "Precision"). With `device_dtype: fp32` ours is the
     same mixed precision as stock, and the curves agree as for the plain Trainer script; with the
     default bf16 weights they differ by the weights' rounding only (measured 1e-4..1e-3 relative;
     the same difference with one process, so not data parallelism's)."""

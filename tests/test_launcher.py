@@ -21,11 +21,12 @@ from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptim
 from superoffload_hf.integrations.callback import LOG_PREFIX
 
 from _models import tiny_batch, tiny_llama
+from _readme import from_anywhere, shown_commands
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "recipes" / "accelerate" / "superoffload_cpu.yaml"
 GPU_CONFIG = REPO / "recipes" / "accelerate" / "superoffload.yaml"
-STOCK_SCRIPT = REPO / "tests" / "scripts" / "stock_trainer_script.py"
+STOCK_SCRIPT = REPO / "examples" / "stock_trainer.py"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -187,18 +188,16 @@ def test_sitecustomize_arms_the_hook_and_still_runs_the_sitecustomize_it_shadows
 # ---- end to end -----------------------------------------------------------------------------------
 
 
-def test_an_unmodified_stock_trainer_script_trains_with_superoffload_through_the_launcher(
+def test_the_readme_launch_example_trains_an_unmodified_stock_trainer_script_with_superoffload(
         tmp_path, monkeypatch, capfd):
-    output = tmp_path / "out"
+    """The README's `superoffload launch` command, as written, from a scratch directory."""
+    (argv,) = [c for c in shown_commands("superoffload") if c[:1] == ["launch"]]
+    assert from_anywhere(argv)[1:4] == ["--config_file", str(CPU_CONFIG), str(STOCK_SCRIPT)], argv
+    output = tmp_path / "out" / "launch_example"
     for name, value in child_env(OMP_NUM_THREADS="1").items():
         monkeypatch.setenv(name, value)  # accelerate launch passes OMP_NUM_THREADS on to the script
     monkeypatch.chdir(tmp_path)
-    code = launcher.main([
-        "--config_file", str(CPU_CONFIG), "--num_processes", "1", str(STOCK_SCRIPT),
-        "--output_dir", str(output), "--max_steps", "3", "--per_device_train_batch_size", "4",
-        "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--use_cpu",
-        "--disable_tqdm", "true",
-    ])
+    code = launcher.main(from_anywhere(argv)[1:])
     streams = capfd.readouterr()
     assert code == 0, streams.out[-3000:] + streams.err[-3000:]
     records = [r for r in json.loads((output / "trainer_state.json").read_text())["log_history"] if "loss" in r]

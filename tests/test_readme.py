@@ -42,3 +42,57 @@ def test_no_stale_advice_to_quote_on_and_off():
 def test_what_resuming_a_finished_cosine_schedule_with_more_steps_does_is_stated():
     assert "--training.max_steps 400 --training.resume_from_checkpoint true` after the 300-step" in README
     assert "jumps from 0 back to 4.7e-4" in README
+
+
+# ---- the README runs as written ------------------------------------------------------------------
+
+import os
+import subprocess
+import sys
+
+from _readme import blocks, from_anywhere, shown_commands
+
+# (the `superoffload launch` example runs in tests/test_launcher.py, with what it must show)
+
+
+def test_the_readme_fits_on_a_screen_and_its_links_exist():
+    assert len(README.splitlines()) <= 250, "README.md grew past ~250 lines: move detail into docs/"
+    links = re.findall(r"\]\(([^)#]+)\)", README)
+    assert links
+    for link in links:
+        assert link.startswith("http") or (REPO / link).exists(), link
+
+
+def test_the_train_commands_of_the_readme_run_in_order_and_lose_no_checkpoint(tmp_path, monkeypatch, capsys):
+    """In a scratch directory, in the README's order: the main job for real (2 steps, so it is
+    quick), every other `superoffload train` command validated as it would run (`--dry-run`:
+    recipe, overrides, output directory, the checkpoint a resume needs, memory); the main job's
+    checkpoint must survive them all."""
+    from superoffload_hf import cli
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the real recipes name hub models: never the network here
+    monkeypatch.chdir(tmp_path)
+    trains = [c for c in shown_commands("superoffload") if c[:1] == ["train"]]
+    assert trains[0] == ["train", "recipes/tiny_llama_cpu.yaml"] and len(trains) >= 5, trains
+    for k, argv in enumerate(trains):
+        argv = from_anywhere(argv)
+        if k == 0:
+            argv = argv + ["--training.max_steps", "2", "--training.save_steps", "2"]
+        elif "--dry-run" not in argv:
+            argv = argv + ["--dry-run"]
+        assert cli.main(argv) == 0, (argv, capsys.readouterr())
+    assert (tmp_path / "out" / "tiny_llama_cpu" / "checkpoint-2" / "trainer_state.json").is_file()
+
+
+def test_every_python_example_of_the_readme_runs_on_the_cpu(tmp_path):
+    examples = blocks("python")
+    assert len(examples) == 2  # the Trainer and the plain loop
+    # one child for both (one import of torch and transformers); each example in its own namespace
+    script = "\n".join(f"exec(compile({code!r}, 'README example {k}', 'exec'), {{}})\nprint('example {k} ok')"
+                       for k, code in enumerate(examples))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "example 0 ok" in run.stdout and "example 1 ok" in run.stdout, run.stdout[-2000:]

@@ -1,12 +1,12 @@
 """The stock-Trainer script with superoffload's Trainer and TrainingArguments (for torchrun):
-`torchrun --nproc_per_node 2 superoffload_trainer_script.py --superoffload true ...`."""
+`torchrun --nproc_per_node 2 superoffload_trainer.py --superoffload true ...`."""
 
 import torch
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 from superoffload_hf import Trainer, TrainingArguments
 
-from stock_trainer_script import TinyDataset
+from stock_trainer import TinyDataset
 
 
 def main():
