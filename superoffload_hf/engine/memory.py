@@ -248,7 +248,7 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
     largest = max((b.numel for b in plan.buckets), default=0)
     aliased = sum(host) if policy.params_alias_masters else 0
     # aliased parameters are views of their masters (counted below): no memory of their own
-    rows = [FootprintRow("device params", "device", (plan.total_numel - aliased) * _size(policy.device_dtype))]
+    rows = [FootprintRow("device params", "device", (plan.param_numel - aliased) * _size(policy.device_dtype))]
     if on_device:  # replicated under data parallelism, not sharded
         rows.append(FootprintRow("device-resident buckets", "device", on_device * 4 * 4))
     for kind, (dtype, pinned) in policy.host_kinds().items():

@@ -50,14 +50,16 @@ class StepCall:
 
 
 def plan_runs(bucket: Bucket, present: Sequence[bool], param_steps: Sequence[int]) -> tuple[Run, ...]:
-    """Maximal runs of consecutive present parameters that share a step count."""
+    """Maximal runs of consecutive present parameters that share a step count and are contiguous
+    in the buffers (padding between slots, plan.py `align`, is never stepped)."""
     runs: list[Run] = []
     for k, slot in enumerate(bucket.slots):
         if not present[k]:
             continue
         step = param_steps[slot.index] + 1
         last = runs[-1] if runs else None
-        if last is not None and last.slots[-1] == k - 1 and last.step == step:
+        if (last is not None and last.slots[-1] == k - 1 and last.step == step
+                and last.offset + last.numel == slot.offset):
             runs[-1] = Run(last.offset, last.numel + slot.numel, step, last.slots + (k,))
         else:
             runs.append(Run(slot.offset, slot.numel, step, (k,)))
