@@ -430,3 +430,39 @@ def test_a_checkpoint_file_stores_the_compact_bytes(tmp_path, precision, low, hi
         assert low <= per_param <= high, per_param
     finally:
         opt.close()
+
+
+def test_a_replan_moves_compact_bytes_as_they_are_and_converts_across_residency():
+    """Re-planned with more device-resident buckets, a parameter that moves to the device gets the
+    decoded (fp32) state of its compact bytes; one that stays on the host keeps its bytes; moved
+    back, it is encoded again (engine/precision.py)."""
+    from superoffload_hf.host import compact
+
+    keys = ("master_bf16", "master_err", "exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
+    model, opt = build(engine_config(speculation="off", device_buckets=0, **compact_config("compact")), **COMPACT_MODEL)
+    try:
+        train(model, opt, range(2))
+        engine = opt._engine
+        before = map_tensors(opt.state_dict()["state"], torch.clone)
+        engine.replan(engine.layout.plan(2))
+        moved = {s.index for b in engine.plan.buckets if b.device_resident for s in b.slots}
+        assert moved
+        after = opt.state_dict()["state"]
+        for index, entry in before.items():
+            if index in moved:
+                want = [torch.empty(entry["master_bf16"].numel()) for _ in range(3)]
+                compact.compact_decode(*(entry[k] for k in keys), *want)
+                got = [after[index][k].reshape(-1) for k in ("master_param", "exp_avg", "exp_avg_sq")]
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), index
+            else:
+                assert all(torch.equal(after[index][k], entry[k]) for k in keys), index
+        fp32 = map_tensors(after, torch.clone)
+        engine.replan(engine.layout.plan(0))
+        back = opt.state_dict()["state"]
+        for index in moved:
+            want = compact.empty_state(fp32[index]["exp_avg"].numel(), "compact")
+            compact.compact_encode_(*want, *(fp32[index][k].reshape(-1) for k in ("master_param", "exp_avg", "exp_avg_sq")))
+            assert all(torch.equal(back[index][k], w) for k, w in zip(keys, want)), index
+        train(model, opt, range(2, 3))  # and it trains on
+    finally:
+        opt.close()
