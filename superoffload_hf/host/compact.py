@@ -189,7 +189,8 @@ def _unit_exponent(hi_bits: torch.Tensor, err_bits: int) -> torch.Tensor:
 def encode_master(w: torch.Tensor, err_dtype: torch.dtype) -> tuple:
     """(hi bf16, err) of fp32 weights w (module docstring)."""
     w32 = w.to(torch.float32)
-    hi = w32.to(torch.bfloat16)  # torch: nearest even, NaN -> 0x7fc0
+    hi = w32.to(torch.bfloat16)  # nearest even; torch's NaN bits vary by code path: made 0x7fc0
+    hi = torch.where(torch.isnan(w32), _bf16_from_bits(torch.full(w32.shape, _NAN_BF16_BITS, dtype=torch.int32)), hi)
     bits_b = 7 if err_dtype == torch.int8 else 15
     exponent, not_finite = _unit_exponent(_bf16_bits(hi), bits_b)
     r = w32.to(torch.float64) - hi.to(torch.float64)  # exact
