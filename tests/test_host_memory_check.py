@@ -182,7 +182,7 @@ def test_pinned_high_water_mark_is_held_against_the_dry_run_footprint(sim, cast,
     their return is tested below.)"""
     monkeypatch.setattr(Transfer, "measure_h2d_gbps", lambda self, megabytes=64, repeats=3: 25.0)
     model = mlp(depth=6)
-    compact = {"state_precision": precision, "host_kernel": "reference"} if precision != "fp32" else {}
+    compact = {"state_precision": precision} if precision != "fp32" else {}
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config={**SIM_CONFIG, "cast": cast, **compact})
     try:
         initial = pinned_rows(opt)

@@ -106,9 +106,8 @@ def assert_plain_cpu_fp32(obj, path: str = "state_dict") -> None:
 
 
 def compact_config(precision: str) -> dict:
-    """Compact host state: bf16 device weights; the reference back end (host/compact.py)."""
-    return {} if precision == "fp32" else {"state_precision": precision, "device_dtype": "bf16",
-                                           "host_kernel": "reference"}
+    """Compact host state: bf16 device weights (the default back end: the GraceAdam kernel)."""
+    return {} if precision == "fp32" else {"state_precision": precision, "device_dtype": "bf16"}
 
 
 COMPACT_MODEL = {"hidden_size": 40}  # norm weights of 40 elements: padded slots
@@ -394,7 +393,7 @@ def test_compact_checkpoint_loads_into_fp32_state_decoded_with_one_notice(caplog
     from superoffload_hf.host import compact
 
     model_state, opt_state = _trained_state(engine_config(speculation="off", **compact_config("compact")))
-    model, opt = _fresh(engine_config(speculation="off", device_dtype="bf16", host_kernel="reference"), model_state)
+    model, opt = _fresh(engine_config(speculation="off", device_dtype="bf16"), model_state)
     try:
         with caplog.at_level("WARNING", logger="superoffload_hf"):
             opt.load_state_dict(opt_state)

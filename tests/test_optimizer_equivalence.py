@@ -108,7 +108,8 @@ def make_compact_pair(speculation: str, *, kind: str, weight_decay: float, num_l
     reference optimizer (tests/_compact_reference.py) from the same fp32 initial weights."""
     model = tiny_llama(num_layers, hidden_size=COMPACT_HIDDEN)
     ref_model = tiny_llama(num_layers, hidden_size=COMPACT_HIDDEN)
-    config = engine_config(speculation=speculation, device_dtype="bf16", host_kernel="reference", **config_changes)
+    config = engine_config(**{"speculation": speculation, "device_dtype": "bf16", "host_kernel": "reference",
+                              **config_changes})
     cls = SuperOffloadAdamW if kind == "adamw" else SuperOffloadAdam
     opt = cls(model.parameters(), lr=LR, weight_decay=weight_decay, config=config)
     groups = [{"params": list(ref_model.parameters()), "lr": LR, "betas": (0.9, 0.999), "eps": 1e-8,
@@ -221,16 +222,16 @@ def test_matches_torch_adamw_with_clipping(speculation, clipping):
         pair.close()
 
 
-@pytest.mark.parametrize("precision, speculation, clipping", [
-    ("compact", "on", "mild"),  # speculated, rolled back (the pre-step bytes restored), replayed clipped
-    ("compact", "off", "always"),
-    ("compact", "auto", "none"),
-    ("compact32", "on", "mild_alternating"),
+@pytest.mark.parametrize("precision, speculation, clipping, host_kernel", [
+    ("compact", "on", "mild", "reference"),  # speculated, rolled back (the pre-step bytes restored), replayed
+    ("compact", "off", "always", "reference"),
+    ("compact", "auto", "none", "cpp"),  # the GraceAdam compact kernel inside the engine
+    ("compact32", "on", "mild_alternating", "cpp"),
 ])
-def test_compact_state_matches_the_compact_reference_bitwise(precision, speculation, clipping):
+def test_compact_state_matches_the_compact_reference_bitwise(precision, speculation, clipping, host_kernel):
     """Weights and every byte of the compact state, after every step, against per-parameter compact
     buffers stepped by host/compact.py (one device-resident bucket: fp32 state, as the engine keeps it)."""
-    pair = make_pair(speculation, state_precision=precision)
+    pair = make_pair(speculation, state_precision=precision, host_kernel=host_kernel)
     try:
         run_side_by_side(pair, CLIPPING[clipping], steps=5)
         counters = pair.opt.counters

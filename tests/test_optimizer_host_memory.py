@@ -81,7 +81,7 @@ def test_compact_state_holds_its_bytes_per_param_by_the_ledger_as_the_footprint_
     model = mlp(128, 4).to(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
     config = engine_config(bucket_size_mb=0.05, device_buckets=0, device_dtype="bf16", state_precision=precision,
-                           host_kernel="reference", cast="host", speculation="on")
+                           cast="host", speculation="on")
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config=config)
     try:
         x, y = torch.randn(4, 128).to(torch.bfloat16), torch.randn(4, 128).to(torch.bfloat16)

@@ -95,8 +95,9 @@ class BucketSet:
             master = torch.zeros(bb.numel, dtype=FP32)
             for dst, src in self._master_sources(b, master):
                 dst.copy_(src)
-            zeros = torch.zeros(bb.numel, dtype=FP32)
-            self.codec.compact_encode_(*(getattr(bb, kind) for kind in COMPACT_KINDS), master, zeros, zeros)
+            exp_avg, exp_avg_sq = torch.zeros(bb.numel, dtype=FP32), torch.zeros(bb.numel, dtype=FP32)  # (distinct:
+            # the kernel refuses aliased outputs)
+            self.codec.compact_encode_(*(getattr(bb, kind) for kind in COMPACT_KINDS), master, exp_avg, exp_avg_sq)
 
     def _log_pinning(self, seconds: float) -> None:
         pinned = self.ledger.bytes("pinned")

@@ -193,13 +193,13 @@ class Engine:
         return (f"SuperOffload: {n} bucket{'s' if n != 1 else ''} ({self.plan.num_device_buckets} "
                 f"device-resident) of <= {self.plan.bucket_numel} elements, device {self.runtime.name} "
                 f"{self.config.device_dtype}, cast {self.cast}, speculation {self.config.speculation}, "
-                f"rollback {self._rollback_note()}, state {self._state_note()}, host Adam {self.adam.name}/{self.adam.isa} "
+                f"rollback {self._rollback_note()}, state {self.state_note()}, host Adam {self.adam.name}/{self.adam.isa} "
                 f"x{self.adam.threads} threads ({self.host_threads_note}){dp}")
 
     def _rollback_note(self) -> str:
         return "snapshot (compact bytes)" if self.buckets.policy.compact else self.config.rollback
 
-    def _state_note(self) -> str:
+    def state_note(self) -> str:
         """The state precision and the host state's bytes per parameter, as the Ledger holds them."""
         kinds = self.buckets.policy.state_kinds
         held = sum(self.buckets.ledger.bytes(place, kind) for place in ("host", "pinned") for kind in kinds)
