@@ -318,6 +318,9 @@ def test_dry_run_with_compact_state_prints_its_kinds_bytes_per_param_and_snapsho
     line = next(x for x in memory.splitlines() if x.startswith("  host state compact "))
     assert float(line.split()[3]) == pytest.approx(5.125, abs=0.02), line
     assert "snapshot of the compact bytes of speculated buckets" in line
+    assert rows["copy-back staging"] == fp32["copy-back staging"]  # bf16 (master_bf16 as it is; cast host's lowp)
+    _, off = dry_run_memory(capsys, "--superoffload.state_precision", "compact", "--superoffload.speculation", "off")
+    assert "snapshot" not in off  # nothing is ever speculated: no pre-step bytes to keep
 
 
 def test_dry_run_with_num_processes_prints_a_rank_with_a_shard_of_the_host_state_and_a_host(capsys):

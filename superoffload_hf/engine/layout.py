@@ -187,8 +187,10 @@ class LayoutBuilder:
         steps = self.config.gradient_accumulation_steps if accumulation_steps is None else accumulation_steps
         return BufferPolicy(device_dtype=self.dtype, link_dtype=self.link_dtype(cast),
                             lowp_dtype=self.lowp_dtype(cast), pin=pin,
-                            # compact state: rollback restores the pre-step bytes (not invertible)
-                            snapshot=self.config.rollback == "snapshot" or self.compact, micro_batches=steps,
+                            # compact state: rollback restores the pre-step bytes (not invertible),
+                            # kept only where a step may be speculative
+                            snapshot=self.config.rollback == "snapshot" or (
+                                self.compact and self.config.speculation != "off"), micro_batches=steps,
                             rounds_pinned=rounds_pinned, shard_world=shard_world,
                             state_precision=self.config.state_precision,
                             # a rank's master holds only its shard of each bucket: never aliased

@@ -98,6 +98,11 @@ class BufferPolicy:
         """The kinds that hold a host bucket's master and moments."""
         return COMPACT_KINDS if self.compact else STATE_KINDS
 
+    @property
+    def copy_back_dtype(self) -> torch.dtype:
+        """What the copy-back sends: compact state's bf16 master, the cast "host" copy, or fp32."""
+        return torch.bfloat16 if self.compact else (self.lowp_dtype or FP32)
+
     @staticmethod
     def kind_numel(kind: str, numel: int) -> int:
         """Elements of a buffer of `kind` for a bucket (or shard) of `numel` elements."""
@@ -311,10 +316,10 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
         rows.append(FootprintRow(f"gradient ring ({GRAD_RING_SLOTS} slots)", "device",
                                  GRAD_RING_SLOTS * largest_host * _size(policy.link_dtype), transient=True))
         rows.append(FootprintRow("copy-back staging", "device",
-                                 largest_host * _size(policy.lowp_dtype or FP32), transient=True))
+                                 largest_host * _size(policy.copy_back_dtype), transient=True))
     if not largest_host:
         rows.append(FootprintRow("transient (one bucket)", "device",
-                                 largest * (_size(policy.link_dtype) + _size(policy.lowp_dtype or FP32)),
+                                 largest * (_size(policy.link_dtype) + _size(policy.copy_back_dtype)),
                                  transient=True))
     if policy.grad_on_demand:  # autograd's, read in place; from backward until step() ends, as in torch
         # (a step with more backwards than declared micro-batches also allocates the fp32
