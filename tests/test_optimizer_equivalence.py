@@ -222,16 +222,16 @@ def test_matches_torch_adamw_with_clipping(speculation, clipping):
         pair.close()
 
 
-@pytest.mark.parametrize("precision, speculation, clipping, host_kernel", [
-    ("compact", "on", "mild", "reference"),  # speculated, rolled back (the pre-step bytes restored), replayed
-    ("compact", "off", "always", "reference"),
-    ("compact", "auto", "none", "cpp"),  # the GraceAdam compact kernel inside the engine
-    ("compact32", "on", "mild_alternating", "cpp"),
+@pytest.mark.parametrize("precision, speculation, clipping, host_kernel, cast", [
+    ("compact", "on", "mild", "reference", "device"),  # speculated, rolled back (pre-step bytes restored), replayed
+    ("compact", "off", "always", "reference", "device"),
+    ("compact", "auto", "none", "cpp", "device"),  # the GraceAdam compact kernel inside the engine
+    ("compact32", "on", "mild_alternating", "cpp", "host"),  # bf16 gradients, stepped as they landed
 ])
-def test_compact_state_matches_the_compact_reference_bitwise(precision, speculation, clipping, host_kernel):
+def test_compact_state_matches_the_compact_reference_bitwise(precision, speculation, clipping, host_kernel, cast):
     """Weights and every byte of the compact state, after every step, against per-parameter compact
     buffers stepped by host/compact.py (one device-resident bucket: fp32 state, as the engine keeps it)."""
-    pair = make_pair(speculation, state_precision=precision, host_kernel=host_kernel)
+    pair = make_pair(speculation, state_precision=precision, host_kernel=host_kernel, cast=cast)
     try:
         run_side_by_side(pair, CLIPPING[clipping], steps=5)
         counters = pair.opt.counters
