@@ -168,6 +168,11 @@ def test_fma_fp32_is_the_correctly_rounded_fp32_fma():
         # every third c cancels most of x*y: the sum then needs many more bits than fp32 has
         z = -x * y * (1 + rng.uniform(-1e-6, 1e-6)) if k % 3 == 0 else rng.uniform(-4, 4) * 2.0 ** rng.randint(-30, 10)
         a.append(x), b.append(y), c.append(struct.unpack("f", struct.pack("f", z))[0])
+    # double rounding: (1 + 2**-12)**2 = 1 + 2**-11 + 2**-24 is an fp32 midpoint; a tiny c decides
+    # the direction, but a float64 sum would round back onto the midpoint (then ties go to even)
+    for sign in (1.0, -1.0):
+        for tiny in (2.0**-80, -(2.0**-80)):
+            a.append(sign * (1 + 2.0**-12)), b.append(1 + 2.0**-12), c.append(sign * tiny)
     got = compact.fma_fp32(*(torch.tensor(t, dtype=torch.float64) for t in (a, b, c)))
     want = [fp32_nearest(Fraction(x) * Fraction(y) + Fraction(z)) for x, y, z in zip(a, b, c)]
     assert got.tolist() == want
