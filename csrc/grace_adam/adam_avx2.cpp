@@ -170,12 +170,12 @@ double sum_squares_block(const void* g, int64_t n) {
 
 // ---- the compact step: one group of kCompactGroup = 4 vectors at a time ---------------------
 
-__m256 pow2_vec(__m256i k) {  // 2^k for k in [-126, 127]
+GRACE_ADAM_INLINE __m256 pow2_vec(__m256i k) {  // 2^k for k in [-126, 127]
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
 }
 
 // f32_to_bf16_rne_vec before narrowing: the bf16 bits in the low half of each 32-bit lane.
-__m256i f32_to_bf16_bits_vec(__m256 p) {
+GRACE_ADAM_INLINE __m256i f32_to_bf16_bits_vec(__m256 p) {
   const __m256i bits = _mm256_castps_si256(p);
   const __m256i abs_bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
   const __m256i is_nan = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f800000));
@@ -184,20 +184,20 @@ __m256i f32_to_bf16_bits_vec(__m256 p) {
   return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
 }
 
-__m256i unit_exponent(__m256i hi_bits, int b) {  // max(E, 1) - kUnitBias - B
+GRACE_ADAM_INLINE __m256i unit_exponent(__m256i hi_bits, int b) {  // max(E, 1) - kUnitBias - B
   const __m256i biased = _mm256_and_si256(_mm256_srli_epi32(hi_bits, 7), _mm256_set1_epi32(0xff));
   return _mm256_sub_epi32(_mm256_max_epi32(biased, _mm256_set1_epi32(1)), _mm256_set1_epi32(kUnitBias + b));
 }
 
 template <int B>
-__m256i load_err(const void* err, int64_t i) {
+GRACE_ADAM_INLINE __m256i load_err(const void* err, int64_t i) {
   if constexpr (B == 7) return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(err) + i)));
   else return _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(err) + i)));
 }
 
 // master_decode_one lane by lane.
 template <int B>
-__m256 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
+GRACE_ADAM_INLINE __m256 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
   const __m256i hb = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + i)));
   const __m256i j = unit_exponent(hb, B);
   const __m256i j1 = _mm256_max_epi32(j, _mm256_set1_epi32(-126));
@@ -208,7 +208,7 @@ __m256 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
 
 // master_encode_one lane by lane: stores hi and err (saturating packs are the clamp).
 template <int B>
-void master_encode_vec(__m256 w, uint16_t* hi, void* err, int64_t i) {
+GRACE_ADAM_INLINE void master_encode_vec(__m256 w, uint16_t* hi, void* err, int64_t i) {
   const __m256i hb = f32_to_bf16_bits_vec(w);
   const __m256 r = _mm256_sub_ps(w, _mm256_castsi256_ps(_mm256_slli_epi32(hb, 16)));  // exact
   const __m256i k = _mm256_sub_epi32(_mm256_setzero_si256(), unit_exponent(hb, B));
@@ -222,7 +222,7 @@ void master_encode_vec(__m256 w, uint16_t* hi, void* err, int64_t i) {
   else _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int16_t*>(err) + i), e16);
 }
 
-int32_t hmax_epi32(__m256i x) {
+GRACE_ADAM_INLINE int32_t hmax_epi32(__m256i x) {
   x = _mm256_max_epi32(x, _mm256_permute2x128_si256(x, x, 1));
   x = _mm256_max_epi32(x, _mm256_shuffle_epi32(x, 0x4e));
   x = _mm256_max_epi32(x, _mm256_shuffle_epi32(x, 0xb1));
@@ -231,7 +231,7 @@ int32_t hmax_epi32(__m256i x) {
 
 // Four vectors of 32-bit integers (each in the range of the target) packed to 32 bytes, in order.
 template <bool UNSIGNED>
-__m256i pack_32_bytes(const __m256i q[4]) {
+GRACE_ADAM_INLINE __m256i pack_32_bytes(const __m256i q[4]) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   if constexpr (UNSIGNED) {
     const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_packus_epi32(q[2], q[3]));
@@ -243,7 +243,7 @@ __m256i pack_32_bytes(const __m256i q[4]) {
 }
 
 template <int B, GradDtype GD, bool L2>
-void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
+GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
   constexpr int kVecs = kCompactGroup / kWidth;
   const __m256 m_scale = _mm256_set1_ps(bf16_to_f32(b.ms[0])), s_scale = _mm256_set1_ps(bf16_to_f32(b.vs[0]));
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);

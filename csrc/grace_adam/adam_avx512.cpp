@@ -174,11 +174,11 @@ double sum_squares_block(const void* g, int64_t n) {
 // ---- the compact step: one group of kCompactGroup = 2 vectors at a time ---------------------
 // The operations of compact_group (adam_scalar.cpp) lane by lane; see adam_avx2.cpp.
 
-__m512 pow2_vec(__m512i k) {  // 2^k for k in [-126, 127]
+GRACE_ADAM_INLINE __m512 pow2_vec(__m512i k) {  // 2^k for k in [-126, 127]
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23));
 }
 
-__m512i f32_to_bf16_bits_vec(__m512 p) {  // f32_to_bf16_rne_vec before narrowing
+GRACE_ADAM_INLINE __m512i f32_to_bf16_bits_vec(__m512 p) {  // f32_to_bf16_rne_vec before narrowing
   const __m512i bits = _mm512_castps_si512(p);
   const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
   const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(abs_bits, _mm512_set1_epi32(0x7f800000));
@@ -187,19 +187,19 @@ __m512i f32_to_bf16_bits_vec(__m512 p) {  // f32_to_bf16_rne_vec before narrowin
   return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
 }
 
-__m512i unit_exponent(__m512i hi_bits, int b) {  // max(E, 1) - kUnitBias - B
+GRACE_ADAM_INLINE __m512i unit_exponent(__m512i hi_bits, int b) {  // max(E, 1) - kUnitBias - B
   const __m512i biased = _mm512_and_si512(_mm512_srli_epi32(hi_bits, 7), _mm512_set1_epi32(0xff));
   return _mm512_sub_epi32(_mm512_max_epi32(biased, _mm512_set1_epi32(1)), _mm512_set1_epi32(kUnitBias + b));
 }
 
 template <int B>
-__m512i load_err(const void* err, int64_t i) {
+GRACE_ADAM_INLINE __m512i load_err(const void* err, int64_t i) {
   if constexpr (B == 7) return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(err) + i)));
   else return _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int16_t*>(err) + i)));
 }
 
 template <int B>
-__m512 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
+GRACE_ADAM_INLINE __m512 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
   const __m512i hb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + i)));
   const __m512i j = unit_exponent(hb, B);
   const __m512i j1 = _mm512_max_epi32(j, _mm512_set1_epi32(-126));
@@ -209,7 +209,7 @@ __m512 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
 }
 
 template <int B>
-void master_encode_vec(__m512 w, uint16_t* hi, void* err, int64_t i) {
+GRACE_ADAM_INLINE void master_encode_vec(__m512 w, uint16_t* hi, void* err, int64_t i) {
   const __m512i hb = f32_to_bf16_bits_vec(w);
   const __m512 r = _mm512_sub_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(hb, 16)));  // exact
   const __m512i k = _mm512_sub_epi32(_mm512_setzero_si512(), unit_exponent(hb, B));
@@ -224,7 +224,7 @@ void master_encode_vec(__m512 w, uint16_t* hi, void* err, int64_t i) {
 }
 
 template <int B, GradDtype GD, bool L2>
-void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
+GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
   constexpr int kVecs = kCompactGroup / kWidth;
   const __m512 m_scale = _mm512_set1_ps(bf16_to_f32(b.ms[0])), s_scale = _mm512_set1_ps(bf16_to_f32(b.vs[0]));
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);

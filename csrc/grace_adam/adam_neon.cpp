@@ -169,11 +169,11 @@ double sum_squares_block(const void* g, int64_t n) {
 // unit so that the 8-bit buffers load and store 8 bytes at once. The operations of compact_group
 // (adam_scalar.cpp) lane by lane; the narrowing moves saturate (the clamps).
 
-float32x4_t pow2_vec(int32x4_t k) {  // 2^k for k in [-126, 127]
+GRACE_ADAM_INLINE float32x4_t pow2_vec(int32x4_t k) {  // 2^k for k in [-126, 127]
   return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(k, vdupq_n_s32(127)), 23));
 }
 
-uint32x4_t f32_to_bf16_bits_vec(float32x4_t p) {  // f32_to_bf16_rne_vec before narrowing
+GRACE_ADAM_INLINE uint32x4_t f32_to_bf16_bits_vec(float32x4_t p) {  // f32_to_bf16_rne_vec before narrowing
   const uint32x4_t bits = vreinterpretq_u32_f32(p);
   const uint32x4_t is_nan = vcgtq_u32(vandq_u32(bits, vdupq_n_u32(0x7fffffffu)), vdupq_n_u32(0x7f800000u));
   const uint32x4_t lsb = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1u));
@@ -181,12 +181,12 @@ uint32x4_t f32_to_bf16_bits_vec(float32x4_t p) {  // f32_to_bf16_rne_vec before 
   return vbslq_u32(is_nan, vdupq_n_u32(0x7fc0u), rounded);
 }
 
-int32x4_t unit_exponent(uint32x4_t hi_bits, int b) {  // max(E, 1) - kUnitBias - B
+GRACE_ADAM_INLINE int32x4_t unit_exponent(uint32x4_t hi_bits, int b) {  // max(E, 1) - kUnitBias - B
   const int32x4_t biased = vreinterpretq_s32_u32(vandq_u32(vshrq_n_u32(hi_bits, 7), vdupq_n_u32(0xffu)));
   return vsubq_s32(vmaxq_s32(biased, vdupq_n_s32(1)), vdupq_n_s32(kUnitBias + b));
 }
 
-float32x4_t master_decode_vec(uint32x4_t hb, int32x4_t e, int b) {
+GRACE_ADAM_INLINE float32x4_t master_decode_vec(uint32x4_t hb, int32x4_t e, int b) {
   const int32x4_t j = unit_exponent(hb, b);
   const int32x4_t j1 = vmaxq_s32(j, vdupq_n_s32(-126));
   const float32x4_t scaled = vmulq_f32(vmulq_f32(vcvtq_f32_s32(e), pow2_vec(j1)), pow2_vec(vsubq_s32(j, j1)));
@@ -194,7 +194,7 @@ float32x4_t master_decode_vec(uint32x4_t hb, int32x4_t e, int b) {
 }
 
 // master_encode_one lane by lane, before the clamp: (hi bits, err as int32).
-void master_encode_vec(float32x4_t w, int b, uint32x4_t& hb, int32x4_t& e) {
+GRACE_ADAM_INLINE void master_encode_vec(float32x4_t w, int b, uint32x4_t& hb, int32x4_t& e) {
   hb = f32_to_bf16_bits_vec(w);
   const float32x4_t r = vsubq_f32(w, vreinterpretq_f32_u32(vshlq_n_u32(hb, 16)));  // exact
   const int32x4_t k = vnegq_s32(unit_exponent(hb, b));
@@ -205,7 +205,7 @@ void master_encode_vec(float32x4_t w, int b, uint32x4_t& hb, int32x4_t& e) {
 }
 
 template <int B, GradDtype GD, bool L2>
-void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
+GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
   using Err = std::conditional_t<B == 7, int8_t, int16_t>;
   constexpr int kUnits = kCompactGroup / (2 * kWidth);
   Err* err = static_cast<Err*>(b.err);

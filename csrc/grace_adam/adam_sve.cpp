@@ -243,23 +243,23 @@ double sum_squares_block_vla(const void* g, int64_t n) {
 // quantises them once the group's scales are known. The operations of compact_group
 // (adam_scalar.cpp) lane by lane.
 
-svfloat32_t pow2_vec(svbool_t pg, svint32_t k) {  // 2^k for k in [-126, 127]
+GRACE_ADAM_INLINE svfloat32_t pow2_vec(svbool_t pg, svint32_t k) {  // 2^k for k in [-126, 127]
   return svreinterpret_f32_s32(svlsl_n_s32_x(pg, svadd_n_s32_x(pg, k, 127), 23));
 }
 
-svint32_t unit_exponent(svbool_t pg, svuint32_t hi_bits, int b) {  // max(E, 1) - kUnitBias - B
+GRACE_ADAM_INLINE svint32_t unit_exponent(svbool_t pg, svuint32_t hi_bits, int b) {  // max(E, 1) - kUnitBias - B
   const svint32_t biased = svreinterpret_s32_u32(svand_n_u32_x(pg, svlsr_n_u32_x(pg, hi_bits, 7), 0xffu));
   return svsub_n_s32_x(pg, svmax_n_s32_x(pg, biased, 1), kUnitBias + b);
 }
 
 template <int B>
-svint32_t load_err(svbool_t pg, const void* err, int64_t i) {
+GRACE_ADAM_INLINE svint32_t load_err(svbool_t pg, const void* err, int64_t i) {
   if constexpr (B == 7) return svld1sb_s32(pg, static_cast<const int8_t*>(err) + i);
   else return svld1sh_s32(pg, static_cast<const int16_t*>(err) + i);
 }
 
 template <int B>
-svfloat32_t master_decode_vec(svbool_t pg, svuint32_t hb, svint32_t e) {
+GRACE_ADAM_INLINE svfloat32_t master_decode_vec(svbool_t pg, svuint32_t hb, svint32_t e) {
   const svint32_t j = unit_exponent(pg, hb, B);
   const svint32_t j1 = svmax_n_s32_x(pg, j, -126);
   const svfloat32_t scaled = svmul_f32_x(pg, svmul_f32_x(pg, svcvt_f32_s32_x(pg, e), pow2_vec(pg, j1)),
@@ -268,7 +268,7 @@ svfloat32_t master_decode_vec(svbool_t pg, svuint32_t hb, svint32_t e) {
 }
 
 template <int B>
-void master_encode_vec(svbool_t pg, svfloat32_t w, uint16_t* hi, void* err, int64_t i) {
+GRACE_ADAM_INLINE void master_encode_vec(svbool_t pg, svfloat32_t w, uint16_t* hi, void* err, int64_t i) {
   const svuint32_t hb = f32_to_bf16_rne_vec(pg, w);
   const svfloat32_t r = svsub_f32_x(pg, w, svreinterpret_f32_u32(svlsl_n_u32_x(pg, hb, 16)));  // exact
   const svint32_t k = svneg_s32_x(pg, unit_exponent(pg, hb, B));

@@ -17,6 +17,10 @@
 #include <cstring>
 #include <type_traits>
 
+// For the small vector helpers of the compact step: a call per vector (with its arguments
+// spilled) costs as much as the helper's work, and GCC does not always inline them on its own.
+#define GRACE_ADAM_INLINE inline __attribute__((always_inline))
+
 namespace grace_adam {
 
 enum class GradDtype : int { F32 = 0, BF16 = 1, F16 = 2 };

@@ -181,7 +181,8 @@ def _fp32_bits(x64: torch.Tensor) -> torch.Tensor:
 # ---- master -----------------------------------------------------------------------------------------
 
 
-def _unit_exponent(hi_bits: torch.Tensor, err_bits: int) -> torch.Tensor:
+def _unit_exponent(hi_bits: torch.Tensor, err_bits: int) -> tuple:
+    """(max(E, 1) - 135 - B, E == 255) of hi's bits."""
     biased = (hi_bits >> 7) & 0xFF
     return biased.clamp(min=1) - 135 - err_bits, biased == 0xFF
 
