@@ -29,6 +29,15 @@ Two more tables follow (our kernel's ISA is printed in every row):
 * gradient accumulation: `grad_accumulate_` (dst fp32 += bf16 src on our pool) against torch's
   `dst.add_(src)`, at one thread and at --threads, after checking both agree bit for bit.
 
+The compact host state (issue 17, superoffload_hf/host/compact.py) gets its own table, timed in
+the same interleaved rounds as the rows above: `compact_step_` with an fp32 and a bf16 gradient
+(and compact32 with a bf16 gradient) beside our fp32 step with the same gradient at the same
+thread count. Bytes moved per parameter: read hi 2 + err 1 (2) + m 1 + sqrt(v) 1 + scales 4/32,
+write the same, plus the gradient (4 or 2): 14.25 B (fp32 grad) / 12.25 B (bf16 grad), compact32
+2 B more. Its own roofline is those bytes at the bandwidth the roofline row measures (30 B per
+parameter in the roofline's time). Targets: >= 1.8x our fp32 step, >= 85% of its own roofline.
+Before timing, each compact contender's step is checked bit for bit against host/compact.py.
+
 Exit status: 0 when everything is correct and the targets are met; 1 when a contender computes
 a wrong result or our kernel is the PyTorch reference fallback (unless --allow-reference);
 2 when a performance target is missed at the largest size (--target-sizes to choose, --no-targets
@@ -56,7 +65,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from superoffload_hf.host import reference  # noqa: E402
+from superoffload_hf.host import compact, reference  # noqa: E402
 from superoffload_hf.host.kernel import get_host_adam  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
@@ -82,6 +91,8 @@ OURS_BF16_GRAD = "ours, bf16 grad"
 DEEPSPEED = "DeepSpeedCPUAdam + copy"
 TARGET_PCT_OF_ISOLATED = 90.0  # our step right after a torch op, vs alone
 TORCH_OP_ELEMENTS = 1 << 24  # the torch op before each interleaved step: c = a + b over 64 MB each
+TARGET_COMPACT_VS_FP32 = 1.8
+TARGET_COMPACT_PCT_OWN_ROOFLINE = 85.0
 
 
 # ---- buffers ---------------------------------------------------------------------------------
@@ -130,6 +141,19 @@ class Contender:
     # 0.001): its reference step uses the fp32-rounded betas, everything else in float64.
     betas_fp32: bool = False
     update_rtol: float = 0.0  # extra tolerance on param, relative to the size of the update
+    compact: Optional[str] = None  # the state precision of a compact contender ("compact", "compact32")
+
+    @property
+    def bytes_per_param(self) -> float:
+        if self.compact is None:
+            return bytes_per_param(self.grad_dtype)
+        return compact_bytes_per_param(self.compact, self.grad_dtype)
+
+
+def compact_bytes_per_param(precision: str, grad_dtype: torch.dtype) -> float:
+    """Bytes one compact step must move per parameter: the stored state read and written once,
+    and the gradient read."""
+    return 2 * compact.spec_of(precision).bytes_per_param + grad_dtype.itemsize
 
 
 def ours(adam, grad_dtype: torch.dtype) -> Callable[[Buffers], Callable[[], None]]:
@@ -141,6 +165,23 @@ def ours(adam, grad_dtype: torch.dtype) -> Callable[[Buffers], Callable[[], None
             adam.adam_step_(b.param_fp32, b.exp_avg_fp32, b.exp_avg_sq_fp32, grad, step=next(counter),
                             adamw=True, param_lowp=b.param_bf16, **HYPER)
 
+        return step
+
+    return build
+
+
+def ours_compact(adam, precision: str, grad_dtype: torch.dtype) -> Callable[[Buffers], Callable[[], None]]:
+    """Our compact step on compact buffers encoded from `b`'s fp32 state (its own copy)."""
+    def build(b: Buffers) -> Callable[[], None]:
+        state = compact.empty_state(b.param_fp32.numel(), precision)
+        adam.compact_encode_(*state, b.param_fp32, b.exp_avg_fp32, b.exp_avg_sq_fp32)
+        grad = b.grad_fp32 if grad_dtype == torch.float32 else b.grad_bf16
+        counter = iter(range(FIRST_STEP, 1 << 62))
+
+        def step() -> None:
+            adam.compact_step_(*state, grad, step=next(counter), adamw=True, **HYPER)
+
+        step.state = state  # for the correctness check
         return step
 
     return build
@@ -248,6 +289,12 @@ def contenders(args, adam, ext, ds_cls) -> list[Contender]:
     out = [
         Contender(OURS + tag, torch.float32, ours(adam, torch.float32)),
         Contender(OURS_BF16_GRAD + tag, torch.bfloat16, ours(adam, torch.bfloat16)),
+        Contender(f"ours compact{tag}", torch.float32, ours_compact(adam, "compact", torch.float32),
+                  compact="compact"),
+        Contender(f"ours compact, bf16 grad{tag}", torch.bfloat16, ours_compact(adam, "compact", torch.bfloat16),
+                  compact="compact"),
+        Contender(f"ours compact32, bf16 grad{tag}", torch.bfloat16, ours_compact(adam, "compact32", torch.bfloat16),
+                  compact="compact32"),
         Contender(TORCH_BASELINE, torch.float32, torch_adamw(fused=True)),
         Contender("torch AdamW foreach + copy", torch.float32, torch_adamw(foreach=True)),
     ]
@@ -312,8 +359,24 @@ def bf16_truncate(x: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
 
 
+def check_compact_contender(c: Contender, seed: int) -> Optional[str]:
+    """One compact step on fresh buffers, bit for bit against host/compact.py's reference."""
+    b = make_buffers(CHECK_SIZE, seed)
+    step = c.build(b)
+    want = [t.clone() for t in step.state]
+    grad = b.grad_fp32 if c.grad_dtype == torch.float32 else b.grad_bf16
+    compact.compact_step_(*want, grad, step=FIRST_STEP, adamw=True, **HYPER)
+    step()
+    names = ("master_bf16", "master_err", "exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
+    bad = [name for name, got, ref in zip(names, step.state, want)
+           if not torch.equal(got.view(torch.uint8), ref.view(torch.uint8))]
+    return None if not bad else f"{', '.join(bad)} differ from host/compact.py's compact_step_"
+
+
 def check_contender(c: Contender, seed: int) -> Optional[str]:
     """One step on fresh buffers; None when it matches the reference, else what is wrong."""
+    if c.compact is not None:
+        return check_compact_contender(c, seed)
     b = make_buffers(CHECK_SIZE, seed)
     expected = expected_roofline(b) if c.is_roofline else expected_adam(b, c)
     c.build(b)()
@@ -372,18 +435,26 @@ def measure_size(cs: list[Contender], n: int, args) -> list[dict]:
     rows = [row(c, n, seconds[c.name]) for c in cs]
     base = next(r["median_ms"] for r in rows if r["contender"] == TORCH_BASELINE)
     roof = next(r["median_ms"] for r in rows if r["contender"] == ROOFLINE)
+    roof_bytes = bytes_per_param(torch.float32)  # the roofline moves what our fp32 step moves
     for r in rows:
         r["vs_torch_fused"] = base / r["median_ms"]
         r["pct_of_roofline"] = 100.0 * roof / r["median_ms"]
+        if r["compact"] is not None:
+            fp32 = next(x for x in rows if x["compact"] is None and x["contender"].startswith("ours")
+                        and x["grad"] == r["grad"])
+            r["vs_ours_fp32"] = fp32["median_ms"] / r["median_ms"]
+            r["vs_ours_fp32_of"] = fp32["contender"]
+            r["own_roofline_ms"] = roof * r["bytes_per_param"] / roof_bytes
+            r["pct_of_own_roofline"] = 100.0 * r["own_roofline_ms"] / r["median_ms"]
     return rows
 
 
 def row(c: Contender, n: int, seconds: list[float]) -> dict:
     median = statistics.median(seconds)
     return {"size": n, "contender": c.name, "grad": str(c.grad_dtype).removeprefix("torch."),
-            "bytes_per_param": bytes_per_param(c.grad_dtype), "median_ms": median * 1e3,
+            "bytes_per_param": c.bytes_per_param, "median_ms": median * 1e3, "compact": c.compact,
             "all_ms": [s * 1e3 for s in seconds], "params_per_s": n / median,
-            "gb_per_s": n * bytes_per_param(c.grad_dtype) / median / 1e9}
+            "gb_per_s": n * c.bytes_per_param / median / 1e9}
 
 
 # ---- our step interleaved with a torch op -------------------------------------------------------
@@ -485,6 +556,33 @@ def size_label(n: int) -> str:
         if n % (1 << shift) == 0:
             return f"{n >> shift}{suffix}"
     return f"{n:,}"
+
+
+def compact_table(rows: list[dict], threads: int) -> str:
+    lines = ["| params | contender | isa | threads | grad | B/param moved | median ms | GB/s "
+             "| x ours fp32 (same grad) | own roofline ms | % of own roofline |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {size_label(r['size'])} | {r['contender']} | {r.get('isa', '-')} | {threads} | {r['grad']} "
+                     f"| {r['bytes_per_param']:g} | {r['median_ms']:.2f} | {r['gb_per_s']:.2f} "
+                     f"| {r['vs_ours_fp32']:.2f}x | {r['own_roofline_ms']:.2f} | {r['pct_of_own_roofline']:.0f}% |")
+    return "\n".join(lines)
+
+
+def compact_misses(rows: list[dict], target_sizes: list[int]) -> list[str]:
+    misses = []
+    for r in rows:
+        if r["compact"] != "compact":
+            continue
+        for what, got, want, unit in (("x ours fp32", r["vs_ours_fp32"], TARGET_COMPACT_VS_FP32, "x"),
+                                      ("% of own roofline", r["pct_of_own_roofline"], TARGET_COMPACT_PCT_OWN_ROOFLINE, "%")):
+            enforced = r["size"] in target_sizes
+            verdict = "met" if got >= want else ("MISSED" if enforced else "below (not enforced at this size)")
+            print(f"target {size_label(r['size']):>4}: {r['contender']} {what:<18} {got:7.2f}{unit}  (>= {want}{unit})  "
+                  f"{verdict}")
+            if got < want and enforced:
+                misses.append(f"{size_label(r['size'])} {r['contender']} {what}: {got:.2f}{unit} < {want}{unit}")
+    return misses
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -618,9 +716,14 @@ def main(argv=None) -> int:
             rows += measure_size(cs, n, args)
         for r in rows:
             r["isa"] = adam.isa if r["contender"].startswith("ours") else "-"
-        tables.append(markdown_table(rows))
+        fp32_rows = [r for r in rows if r["compact"] is None]
+        compact_rows = [r for r in rows if r["compact"] is not None]
+        tables.append(markdown_table(fp32_rows))
         print(tables[-1])
-        misses += target_misses(rows, args.target_sizes)
+        misses += target_misses(fp32_rows, args.target_sizes)
+        tables.append(compact_table(compact_rows, args.threads))
+        print(tables[-1])
+        misses += compact_misses(compact_rows, args.target_sizes)
     if args.only in ("all", "interleaved"):
         interleaved = [measure_interleaved(adam, n, args) for n in args.sizes]
         tables.append(interleaved_table(interleaved))

@@ -490,6 +490,8 @@ class TrainSummary:
     skipped_steps: Optional[int]
     checkpoint: str
     resumed_from_step: Optional[int]
+    host_state: Optional[str] = None
+    """The optimizer's host state precision and bytes per parameter (None: the stock optimizer)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -505,6 +507,7 @@ class TrainSummary:
             f"  final loss     {_format_loss(self.final_loss)} (first logged {_format_loss(self.first_loss)})",
             f"  rollbacks      {_or_na(self.rollbacks)}",
             f"  skipped steps  {_or_na(self.skipped_steps)}",
+            *([f"  host state     {self.host_state}"] if self.host_state is not None else []),
             f"  checkpoint     {self.checkpoint}",
         ]
         return "\n".join(lines)
@@ -533,7 +536,13 @@ def _summarize(recipe: Recipe, args: Any, trainer: Any, output: Any, recorder: _
         skipped_steps=None if counters is None else counters.skips,
         checkpoint=checkpoint,
         resumed_from_step=recorder.start_step if recorder.start_step else None,
+        host_state=_host_state(trainer),
     )
+
+
+def _host_state(trainer: Any) -> Optional[str]:
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return optimizer.host_state() if hasattr(optimizer, "host_state") else None
 
 
 def optimizer_counters(trainer: Any) -> Any:

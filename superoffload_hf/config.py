@@ -20,6 +20,7 @@ ROLLBACK_CHOICES = ("inverse", "snapshot")
 CAST_CHOICES = ("auto", "device", "host")
 DEVICE_DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 HOST_KERNEL_CHOICES = ("auto", "cpp", "reference")
+STATE_PRECISION_CHOICES = ("fp32", "compact", "compact32")
 
 
 class ConfigError(ValueError):
@@ -67,6 +68,20 @@ class SuperOffloadConfig:
     """Precision of the parameters the device computes with: "bf16", "fp16" (with dynamic loss
     scaling owned by the optimizer) or "fp32" (lets tests compare against a plain fp32
     reference exactly)."""
+
+    state_precision: str = "fp32"
+    """How the host buckets store the master weights and Adam moments. "fp32": fp32 master,
+    exp_avg and exp_avg_sq (12 B/param of state). "compact": a 24-bit master (the bf16 weight
+    the device computes with plus an int8 error term of its rounding remainder), exp_avg as int8
+    and exp_avg_sq as uint8 of sqrt(v), each with a bf16 scale per group of 32 elements (5.125
+    B/param of state; superoffload_hf/host/compact.py defines the format). "compact32": as
+    "compact" with an int16 error term (6.125 B/param), for low learning rates, where a 24-bit
+    master loses updates. Compact state needs `device_dtype: bf16` (the bf16 part of the master
+    is the device copy, sent back as it is). Every host-bucket parameter is compact, norms and
+    biases included, each slot padded to a multiple of 32 elements; device-resident buckets
+    keep fp32 state on the device. A speculative step of a compact bucket is undone by
+    restoring the bytes it had before (whatever `rollback` says: quantisation is not
+    invertible)."""
 
     host_threads: Union[int, str] = AUTO
     """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on
@@ -139,6 +154,13 @@ class SuperOffloadConfig:
         _check_choice("rollback", self.rollback, ROLLBACK_CHOICES)
         _check_choice("cast", self.cast, CAST_CHOICES)
         _check_choice("device_dtype", self.device_dtype, DEVICE_DTYPE_CHOICES)
+        _check_choice("state_precision", self.state_precision, STATE_PRECISION_CHOICES)
+        if self.state_precision != "fp32" and self.device_dtype != "bf16":
+            raise ConfigError(
+                f"`state_precision` is {self.state_precision!r} but `device_dtype` is {self.device_dtype!r}: "
+                "compact state stores the master weight as the bf16 weight the device computes with plus "
+                "an error term, so it needs `device_dtype: bf16` (under Accelerate / the Trainer: bf16 "
+                "mixed precision). Set `device_dtype: bf16`, or `state_precision: fp32`.")
         _check_auto_or_int("host_threads", self.host_threads, minimum=1)
         if self.host_cores is not None:
             cores = self.host_cores

@@ -156,6 +156,11 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         """The host Adam back end in use: `.name` ("cpp" or "reference"), `.isa`, `.threads`."""
         return self._engine.adam
 
+    def host_state(self) -> str:
+        """The host buckets' state precision and the bytes per parameter the Ledger holds for it,
+        e.g. "compact 5.184 B/param" (config `state_precision`)."""
+        return self._engine.state_note()
+
     def describe(self) -> str:
         """One line: buckets, device dtype, cast, speculation, rollback, host Adam back end/ISA/threads."""
         return self._engine.summary()

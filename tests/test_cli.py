@@ -66,6 +66,7 @@ def test_train_runs_the_tiny_recipe_and_prints_the_summary(three_step_run):
     assert re.search(r"final loss\s+\d+\.\d{4} at step 3 \(first logged \d+\.\d{4} at step 1\)", summary), summary
     assert re.search(r"rollbacks\s+\d+\n", summary), summary
     assert re.search(r"skipped steps\s+0\n", summary), summary
+    assert re.search(r"host state\s+fp32 12\.\d{3} B/param\n", summary), summary
     assert f"checkpoint     {out / 'checkpoint-3'}" in summary
 
 
@@ -303,6 +304,25 @@ def test_dry_run_prints_what_the_host_memory_check_compares(capsys):
     assert "this machine may use" in line and "fits" in line, line
 
 
+def test_dry_run_with_compact_state_prints_its_kinds_bytes_per_param_and_snapshot(capsys):
+    fp32_memory, fp32 = dry_run_memory(capsys)
+    memory, rows = dry_run_memory(capsys, "--superoffload.state_precision", "compact")
+    assert "host state fp32 12.0" in fp32_memory and "master" in fp32 and "master_bf16" not in fp32
+    assert "master" not in rows and "exp_avg" not in rows and "lowp" not in rows
+    per_param = {"master_bf16": 2.0, "master_err": 1.0, "exp_avg_q": 1.0, "exp_avg_scale": 0.06,
+                 "exp_avg_sq_q": 1.0, "exp_avg_sq_scale": 0.06}
+    for kind, want in per_param.items():
+        assert rows[kind][2] == pytest.approx(want, abs=0.011), (kind, rows[kind])
+    assert rows["master_bf16"][0] == "pinned" and rows["master_err"][0] == "host"  # what crosses the link
+    assert rows["snapshot"][2] == pytest.approx(5.125, abs=0.02)
+    line = next(x for x in memory.splitlines() if x.startswith("  host state compact "))
+    assert float(line.split()[3]) == pytest.approx(5.125, abs=0.02), line
+    assert "snapshot of the compact bytes of speculated buckets" in line
+    assert rows["copy-back staging"] == fp32["copy-back staging"]  # bf16 (master_bf16 as it is; cast host's lowp)
+    _, off = dry_run_memory(capsys, "--superoffload.state_precision", "compact", "--superoffload.speculation", "off")
+    assert "snapshot" not in off  # nothing is ever speculated: no pre-step bytes to keep
+
+
 def test_dry_run_with_num_processes_prints_a_rank_with_a_shard_of_the_host_state_and_a_host(capsys):
     alone, single = dry_run_memory(capsys)
     memory, rank = dry_run_memory(capsys, "--num_processes", "4")
@@ -382,8 +402,9 @@ def test_launch_forwards_every_argument_to_the_launcher(monkeypatch):
 def test_summary_reports_tokens_per_second_and_the_counters():
     summary = TrainSummary(steps=10, global_step=13, tokens=40_960, seconds=4.0, first_loss=(4, 7.5),
                            final_loss=(13, 2.25), rollbacks=1, skipped_steps=2, checkpoint="out/checkpoint-13",
-                           resumed_from_step=3)
+                           resumed_from_step=3, host_state="compact 5.184 B/param")
     text = summary.format()
+    assert "host state     compact 5.184 B/param" in text, text
     assert summary.tokens_per_second == 10_240.0
     for line in ("resumed from   step 3", "steps          10 (global step 13), 40,960 tokens in 4.0 s",
                  "tokens/s       10,240", "final loss     2.2500 at step 13 (first logged 7.5000 at step 4)",

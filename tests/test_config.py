@@ -13,6 +13,7 @@ from superoffload_hf.config import (
     HOST_KERNEL_CHOICES,
     ROLLBACK_CHOICES,
     SPECULATION_CHOICES,
+    STATE_PRECISION_CHOICES,
 )
 
 
@@ -86,6 +87,7 @@ def test_bad_value_raises_naming_the_field_and_the_value(field, value):
     ("cast", CAST_CHOICES),
     ("device_dtype", DEVICE_DTYPE_CHOICES),
     ("host_kernel", HOST_KERNEL_CHOICES),
+    ("state_precision", STATE_PRECISION_CHOICES),
 ])
 def test_bad_choice_raises_naming_field_value_and_every_choice(field, choices):
     with pytest.raises(ConfigError) as info:
@@ -227,3 +229,21 @@ def test_coerce_rejects_other_types():
 def test_coerce_of_a_dict_with_an_unknown_key_raises():
     with pytest.raises(ConfigError, match="not_a_field"):
         SuperOffloadConfig.coerce({"not_a_field": 1})
+
+
+def test_state_precision_defaults_to_fp32_and_takes_the_compact_choices():
+    assert SuperOffloadConfig().state_precision == "fp32"
+    assert set(STATE_PRECISION_CHOICES) == {"fp32", "compact", "compact32"}
+    for precision in ("compact", "compact32"):
+        assert SuperOffloadConfig(state_precision=precision).state_precision == precision
+
+
+@pytest.mark.parametrize("device_dtype", ["fp16", "fp32"])
+@pytest.mark.parametrize("precision", ["compact", "compact32"])
+def test_compact_state_without_bf16_device_dtype_raises_naming_both_and_the_fix(precision, device_dtype):
+    with pytest.raises(ConfigError) as info:
+        SuperOffloadConfig(state_precision=precision, device_dtype=device_dtype)
+    message = str(info.value)
+    for part in ("`state_precision`", repr(precision), "`device_dtype`", repr(device_dtype),
+                 "device_dtype: bf16", "bf16 weight the device computes with"):
+        assert part in message, message

@@ -173,8 +173,8 @@ def test_pinned_blocks_round_up_to_a_power_of_two_and_stay_cached_until_emptied(
     assert memory.empty_cache() == 8192 + 16384 and memory.pinned_reserved == 0
 
 
-@pytest.mark.parametrize("cast", ["device", "host"])
-def test_pinned_high_water_mark_is_held_against_the_dry_run_footprint(sim, cast, monkeypatch):
+@pytest.mark.parametrize("cast, precision", [("device", "fp32"), ("host", "fp32"), ("device", "compact")])
+def test_pinned_high_water_mark_is_held_against_the_dry_run_footprint(sim, cast, precision, monkeypatch):
     """Across construction, the re-plan after step 1 and training, the page-locked memory held
     (in use + cached) never exceeds the footprint's pinned figure; after the re-plan nothing
     stays cached, and close() returns what is freed. (The link probes' page-locked blocks, one
@@ -182,7 +182,8 @@ def test_pinned_high_water_mark_is_held_against_the_dry_run_footprint(sim, cast,
     their return is tested below.)"""
     monkeypatch.setattr(Transfer, "measure_h2d_gbps", lambda self, megabytes=64, repeats=3: 25.0)
     model = mlp(depth=6)
-    opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config={**SIM_CONFIG, "cast": cast})
+    compact = {"state_precision": precision} if precision != "fp32" else {}
+    opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config={**SIM_CONFIG, "cast": cast, **compact})
     try:
         initial = pinned_rows(opt)
         assert sim.host_memory.pinned_reserved == initial  # the arenas' power-of-two segments, exactly

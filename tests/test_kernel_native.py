@@ -3,8 +3,9 @@
 csrc/grace_adam/run_selftest.sh builds it natively and, when the cross tools exist, for aarch64,
 and runs it: natively (every ISA this CPU has), and under qemu with SVE at 128 bits (Grace),
 512 bits, and SVE off (NEON only). Each run checks step and rollback against a float64 loop,
-every ISA path bitwise against the scalar one, the bf16/fp16 outputs, the sum of squares, and
-the gradient conversions (grad_copy / grad_accumulate of fp32, bf16 and fp16 sources);
+every ISA path bitwise against the scalar one, the bf16/fp16 outputs, the sum of squares, the
+gradient conversions (grad_copy / grad_accumulate of fp32, bf16 and fp16 sources), and the
+compact-state step (every path bitwise against the scalar one);
 it exits non-zero on any failure. These tests run the script once and read each run's report.
 """
 
@@ -91,6 +92,34 @@ def test_aarch64_selftest_passes_under_qemu(selftest_runs, label):
     _assert_run_passed(build, proc, label, QEMU_RUNS[label])
 
 
+def _passed_by_path(report: str, kind: str) -> dict[str, int]:
+    """{path: passed count} of one check kind in a driver report."""
+    passed, path = {}, None
+    for line in report.splitlines():
+        if re.fullmatch(r"\[[^\]]+\]", line):
+            path = line[1:-1]
+        row = re.fullmatch(r"  (.+?)\s+(\d+) passed\s+\d+ failed", line)
+        if path is not None and row and row.group(1) == kind:
+            passed[path] = int(row.group(2))
+    return passed
+
+
+@pytest.mark.parametrize("label", ["native", *sorted(QEMU_RUNS)])
+def test_every_isa_path_runs_the_compact_step_checks(selftest_runs, label):
+    # the compact-state kernels (NEON, SVE at 128 and 512 bits under qemu) against the scalar path
+    if label == "native" and shutil.which(_native_compiler()) is None:
+        pytest.skip(f"no C++ compiler `{_native_compiler()}` on PATH (set CXX to use another)")
+    if label != "native" and _missing_cross_tools():
+        pytest.skip("aarch64 runs need " + " and ".join(_missing_cross_tools()))
+    build, proc = selftest_runs
+    _, text = _run_report(build, proc, label)
+    passed = _passed_by_path(text, "compact bitwise == scalar")
+    isas = QEMU_RUNS[label].split(",") if label != "native" else [p for p in passed if "(" not in p]
+    for isa in isas:
+        assert passed.get(isa, 0) > 100, f"`{label}`: path {isa} ran {passed.get(isa, 0)} compact checks: {passed}"
+    assert _passed_by_path(text, "compact format properties").get("scalar", 0) > 100
+
+
 def test_run_selftest_script_exits_zero_when_every_run_passes(selftest_runs):
     if shutil.which(_native_compiler()) is None and _missing_cross_tools():
         pytest.skip(f"nothing to run: no `{_native_compiler()}` and no aarch64 tools")
@@ -126,7 +155,7 @@ def test_selftest_exits_nonzero_when_a_path_is_wrong(selftest_runs):
     tables = _failed_by_path(run.stdout)
     faulty = tables.pop("faulty(scalar)")
     for kind in ("step bitwise == scalar", "rollback bitwise == scalar", "guards untouched", "sum_squares bitwise == scalar",
-                 "grad bitwise == spec"):
+                 "grad bitwise == spec", "compact bitwise == scalar"):
         assert faulty.get(kind, 0) > 0, f"the planted fault was not reported as `{kind}`: {faulty}"
     assert "scalar" in tables and all(
         failed == 0 for kinds in tables.values() for failed in kinds.values()

@@ -112,6 +112,15 @@ def test_launcher_refuses_what_superoffload_cannot_combine_with(tmp_path, capsys
     assert refused in capsys.readouterr().err
 
 
+def test_the_block_carries_state_precision_and_compact_is_refused_without_bf16(tmp_path, capsys):
+    path = write_config(tmp_path, {"state_precision": "compact"}, mixed_precision="bf16")
+    assert launcher.plan_launch(["--config_file", str(path), "train.py"]).superoffload == {"state_precision": "compact"}
+    path = write_config(tmp_path, {"state_precision": "compact"}, mixed_precision="no")
+    assert launcher.main(["--config_file", str(path), "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "`state_precision` is 'compact' but `device_dtype` is 'fp32'" in err, err
+
+
 def test_launcher_accepts_several_processes_and_machines(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # GPUs: accelerate starts the processes itself
     path = write_config(tmp_path, {"speculation": "on"})

@@ -105,22 +105,36 @@ def assert_plain_cpu_fp32(obj, path: str = "state_dict") -> None:
         assert obj is None or isinstance(obj, (bool, int, float, str)), f"{path}: {type(obj).__name__}"
 
 
-@pytest.mark.parametrize("speculation, rollback", [("on", "inverse"), ("off", "inverse"),
-                                                   ("auto", "inverse"), ("on", "snapshot")])
-def test_resume_mid_run_continues_bit_identically(speculation, rollback):
-    config = engine_config(speculation=speculation, rollback=rollback)
+def compact_config(precision: str) -> dict:
+    """Compact host state: bf16 device weights (the default back end: the GraceAdam kernel)."""
+    return {} if precision == "fp32" else {"state_precision": precision, "device_dtype": "bf16"}
+
+
+COMPACT_MODEL = {"hidden_size": 40}  # norm weights of 40 elements: padded slots
+
+
+@pytest.mark.parametrize("speculation, rollback, precision", [
+    ("on", "inverse", "fp32"), ("off", "inverse", "fp32"), ("auto", "inverse", "fp32"), ("on", "snapshot", "fp32"),
+    ("on", "inverse", "compact"),
+])
+def test_resume_mid_run_continues_bit_identically(speculation, rollback, precision):
+    config = engine_config(speculation=speculation, rollback=rollback, **compact_config(precision))
+    model_kwargs = COMPACT_MODEL if precision != "fp32" else {}
     poison = {3: math.inf, 7: math.nan}  # a skipped step before and after the checkpoint
-    full_model, full_opt = build(config)
-    model, opt = build(config)
+    full_model, full_opt = build(config, **model_kwargs)
+    model, opt = build(config, **model_kwargs)
     try:
         train(full_model, full_opt, range(5), poison)
         train(model, opt, range(5), poison)
         model_state, opt_state = save_and_load(model.state_dict()), save_and_load(opt.state_dict())
         opt.close()
-        model = tiny_llama(seed=1)  # different weights: the checkpoint must restore them
+        model = tiny_llama(seed=1, **model_kwargs)  # different weights: the checkpoint must restore them
         model.load_state_dict(model_state)
         opt = SuperOffloadAdamW(model.parameters(), lr=LR, config=config)
         opt.load_state_dict(opt_state)
+        if precision != "fp32":  # the compact bytes themselves were saved (the host buckets' parameters)
+            assert opt_state["superoffload"]["state_precision"] == precision
+            assert "master_bf16" in opt_state["state"][len(opt_state["state"]) - 1]
         assert_runs_equal(model, opt, full_model, full_opt, "right after load")
         for step in range(5, 10):
             train(full_model, full_opt, range(step, step + 1), poison)
@@ -327,3 +341,127 @@ def test_state_damaged_after_saving_is_refused_naming_the_tensor_and_changes_not
     finally:
         opt.close()
         fresh_opt.close()
+
+
+# ---- compact state: conversion and size ----------------------------------------------------------
+
+
+def _trained_state(config: dict, steps: int = 3) -> tuple[dict, dict]:
+    model, opt = build(config, **COMPACT_MODEL)
+    try:
+        train(model, opt, range(steps))
+        return save_and_load(model.state_dict()), save_and_load(opt.state_dict())
+    finally:
+        opt.close()
+
+
+def _fresh(config: dict, model_state: dict):
+    model = tiny_llama(seed=1, **COMPACT_MODEL)
+    model.load_state_dict(model_state)
+    return model, SuperOffloadAdamW(model.parameters(), lr=LR, config=config)
+
+
+def test_fp32_checkpoint_loads_into_compact_state_encoded_with_one_notice(caplog):
+    from superoffload_hf.host import compact
+
+    fp32 = engine_config(speculation="off", device_buckets=0, device_dtype="bf16")
+    model_state, opt_state = _trained_state(fp32)
+    model, opt = _fresh(engine_config(speculation="off", device_buckets=0, **compact_config("compact")), model_state)
+    try:
+        with caplog.at_level("WARNING", logger="superoffload_hf"):
+            opt.load_state_dict(opt_state)
+        notices = [r.getMessage() for r in caplog.records if "converted" in r.getMessage()]
+        n = len(opt_state["state"])
+        assert notices == [f"SuperOffload: converted the saved optimizer state of {n} parameters from fp32 to "
+                           "compact (this optimizer's state precision there)"], notices
+        for index, entry in opt.state_dict()["state"].items():
+            saved = opt_state["state"][index]
+            want = compact.empty_state(saved["exp_avg"].numel(), "compact")
+            compact.compact_encode_(*want, *(saved[k].reshape(-1) for k in ("master_param", "exp_avg", "exp_avg_sq")))
+            for key, value in zip(("master_bf16", "master_err", "exp_avg_q", "exp_avg_scale", "exp_avg_sq_q",
+                                   "exp_avg_sq_scale"), want):
+                assert torch.equal(entry[key], value), f"parameter {index} {key}"
+            assert int(entry["step"]) == int(saved["step"])
+        for name, p in model.named_parameters():  # the device weights are the encoded masters
+            index = [q is p for q in model.parameters()].index(True)
+            assert torch.equal(p.detach().reshape(-1), opt.state_dict()["state"][index]["master_bf16"]), name
+    finally:
+        opt.close()
+
+
+def test_compact_checkpoint_loads_into_fp32_state_decoded_with_one_notice(caplog):
+    from superoffload_hf.host import compact
+
+    model_state, opt_state = _trained_state(engine_config(speculation="off", **compact_config("compact")))
+    model, opt = _fresh(engine_config(speculation="off", device_dtype="bf16"), model_state)
+    try:
+        with caplog.at_level("WARNING", logger="superoffload_hf"):
+            opt.load_state_dict(opt_state)
+        compact_entries = [i for i, e in opt_state["state"].items() if "master_bf16" in e]
+        notices = [r.getMessage() for r in caplog.records if "converted" in r.getMessage()]
+        assert notices == [f"SuperOffload: converted the saved optimizer state of {len(compact_entries)} parameters "
+                           "from compact to fp32 (this optimizer's state precision there)"], notices
+        got = opt.state_dict()["state"]
+        for index in compact_entries:
+            saved = opt_state["state"][index]
+            n = saved["master_bf16"].numel()
+            want = [torch.empty(n) for _ in range(3)]
+            compact.compact_decode(*(saved[k] for k in ("master_bf16", "master_err", "exp_avg_q", "exp_avg_scale",
+                                                         "exp_avg_sq_q", "exp_avg_sq_scale")), *want)
+            for key, value in zip(("master_param", "exp_avg", "exp_avg_sq"), want):
+                assert torch.equal(got[index][key].reshape(-1), value), f"parameter {index} {key}"
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("precision, low, high", [("compact", 5.0, 5.5), ("compact32", 6.0, 6.5), ("fp32", 12.0, 12.5)])
+def test_a_checkpoint_file_stores_the_compact_bytes(tmp_path, precision, low, high):
+    """~5-6 B/param on disk for compact state (12 for fp32): the bytes, not a decoded copy."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512, bias=False))
+    config = engine_config(**{"speculation": "off", "device_buckets": 0, "device_dtype": "bf16",
+                              **compact_config(precision)})
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, config=config)
+    try:
+        model(torch.randn(4, 512, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+        torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+        per_param = (tmp_path / "optimizer.pt").stat().st_size / (512 * 512)
+        assert low <= per_param <= high, per_param
+    finally:
+        opt.close()
+
+
+def test_a_replan_moves_compact_bytes_as_they_are_and_converts_across_residency():
+    """Re-planned with more device-resident buckets, a parameter that moves to the device gets the
+    decoded (fp32) state of its compact bytes; one that stays on the host keeps its bytes; moved
+    back, it is encoded again (engine/precision.py)."""
+    from superoffload_hf.host import compact
+
+    keys = ("master_bf16", "master_err", "exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
+    model, opt = build(engine_config(speculation="off", device_buckets=0, **compact_config("compact")), **COMPACT_MODEL)
+    try:
+        train(model, opt, range(2))
+        engine = opt._engine
+        before = map_tensors(opt.state_dict()["state"], torch.clone)
+        engine.replan(engine.layout.plan(2))
+        moved = {s.index for b in engine.plan.buckets if b.device_resident for s in b.slots}
+        assert moved
+        after = opt.state_dict()["state"]
+        for index, entry in before.items():
+            if index in moved:
+                want = [torch.empty(entry["master_bf16"].numel()) for _ in range(3)]
+                compact.compact_decode(*(entry[k] for k in keys), *want)
+                got = [after[index][k].reshape(-1) for k in ("master_param", "exp_avg", "exp_avg_sq")]
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), index
+            else:
+                assert all(torch.equal(after[index][k], entry[k]) for k in keys), index
+        fp32 = map_tensors(after, torch.clone)
+        engine.replan(engine.layout.plan(0))
+        back = opt.state_dict()["state"]
+        for index in moved:
+            want = compact.empty_state(fp32[index]["exp_avg"].numel(), "compact")
+            compact.compact_encode_(*want, *(fp32[index][k].reshape(-1) for k in ("master_param", "exp_avg", "exp_avg_sq")))
+            assert all(torch.equal(back[index][k], w) for k, w in zip(keys, want)), index
+        train(model, opt, range(2, 3))  # and it trains on
+    finally:
+        opt.close()

@@ -22,6 +22,7 @@ import torch
 from superoffload_hf import SuperOffloadAdam, SuperOffloadAdamW
 from superoffload_hf.host.reference import rollback_error_bound_ulps
 
+from _compact_reference import CompactReferenceAdam, assert_state_matches, assert_weights_match, fp32_indices
 from _models import (  # noqa: F401  (one_torch_thread is a fixture)
     GradPoison,
     RelativeMaxNorm,
@@ -68,7 +69,8 @@ class Pair:
     model: torch.nn.Module
     opt: torch.optim.Optimizer
     ref_model: torch.nn.Module
-    ref_opt: torch.optim.Optimizer
+    ref_opt: torch.optim.Optimizer  # (compact state: a CompactReferenceAdam)
+    precision: str = "fp32"
 
     def close(self) -> None:
         self.opt.close()
@@ -78,9 +80,16 @@ def all_params(model):
     return list(model.parameters())
 
 
+COMPACT_HIDDEN = 40  # norm weights of 40 elements: slots padded to the group of 32 (gaps in every bucket)
+
+
 def make_pair(speculation: str, *, groups: Callable = all_params, kind: str = "adamw",
               weight_decay: float = 1e-2, num_layers: int = 4, tie: bool = False,
               **config_changes) -> Pair:
+    precision = config_changes.get("state_precision", "fp32")
+    if precision != "fp32":
+        return make_compact_pair(speculation, kind=kind, weight_decay=weight_decay, num_layers=num_layers,
+                                 **config_changes)
     model = tiny_llama(num_layers, tie_word_embeddings=tie)
     ref_model = tiny_llama(num_layers, tie_word_embeddings=tie)
     config = engine_config(speculation=speculation, **config_changes)
@@ -91,6 +100,34 @@ def make_pair(speculation: str, *, groups: Callable = all_params, kind: str = "a
         opt = SuperOffloadAdam(groups(model), lr=LR, weight_decay=weight_decay, config=config)
         ref_opt = torch.optim.Adam(groups(ref_model), lr=LR, weight_decay=weight_decay, foreach=False)
     return Pair(model, opt, ref_model, ref_opt)
+
+
+def make_compact_pair(speculation: str, *, kind: str, weight_decay: float, num_layers: int,
+                      **config_changes) -> Pair:
+    """The engine with compact state (bf16 device weights, the reference back end) and the compact
+    reference optimizer (tests/_compact_reference.py) from the same fp32 initial weights."""
+    model = tiny_llama(num_layers, hidden_size=COMPACT_HIDDEN)
+    ref_model = tiny_llama(num_layers, hidden_size=COMPACT_HIDDEN)
+    config = engine_config(**{"speculation": speculation, "device_dtype": "bf16", "host_kernel": "reference",
+                              **config_changes})
+    cls = SuperOffloadAdamW if kind == "adamw" else SuperOffloadAdam
+    opt = cls(model.parameters(), lr=LR, weight_decay=weight_decay, config=config)
+    groups = [{"params": list(ref_model.parameters()), "lr": LR, "betas": (0.9, 0.999), "eps": 1e-8,
+               "weight_decay": weight_decay}]
+    ref = CompactReferenceAdam(groups, config["state_precision"], adamw=kind == "adamw", fp32_indices=fp32_indices(opt))
+    return Pair(model, opt, ref_model, ref, precision=config["state_precision"])
+
+
+def compact_reference_step(pair: Pair, batches, max_grad_norm) -> StepOutcome:
+    from _models import backward_micro_batches
+
+    backward_micro_batches(pair.ref_model, batches)
+    if isinstance(max_grad_norm, RelativeMaxNorm):
+        grads = [p.grad for p in pair.ref_model.parameters()]
+        max_grad_norm = max_grad_norm.resolve(float(torch.nn.utils.get_total_norm(grads)))
+    decision = pair.ref_opt.step(max_grad_norm)
+    pair.ref_opt.zero_grad()
+    return StepOutcome(decision.kind == "skip", decision.grad_norm, max_grad_norm)
 
 
 def assert_unchanged_by_skip(pair: Pair, before: dict, before_state: dict, exact: bool, where: str):
@@ -120,7 +157,10 @@ def run_side_by_side(pair: Pair, clip: Callable[[int], Optional[float]], *, step
             poison.step = step
         batches = micro_batches(step, accumulation)
         before, before_state = params_snapshot(pair.model), state_tensors(pair.opt)
-        ref = reference_step(pair.ref_model, pair.ref_opt, batches, clip(step))
+        if pair.precision != "fp32":
+            ref = compact_reference_step(pair, batches, clip(step))
+        else:
+            ref = reference_step(pair.ref_model, pair.ref_opt, batches, clip(step))
         got = run_offload_step(pair, batches, ref.max_grad_norm, sync_flag)
         assert got.skipped == ref.skipped, f"{where}: skipped {got.skipped}, torch {ref.skipped}"
         if ref.skipped:
@@ -128,8 +168,12 @@ def run_side_by_side(pair: Pair, clip: Callable[[int], Optional[float]], *, step
             assert_unchanged_by_skip(pair, before, before_state, skip_exact, where)
         else:
             assert got.grad_norm == pytest.approx(ref.grad_norm, rel=1e-5), where
-        assert_params_close(pair.model, pair.ref_model, where)
-        assert_adam_state_close(pair.opt, pair.ref_opt, where)
+        if pair.precision != "fp32":  # the same bf16 weights and gradients: bitwise
+            assert_weights_match(pair.model, pair.ref_model, where)
+            assert_state_matches(pair.opt, pair.ref_opt, where)
+        else:
+            assert_params_close(pair.model, pair.ref_model, where)
+            assert_adam_state_close(pair.opt, pair.ref_opt, where)
         skipped.append(ref.skipped)
     return skipped
 
@@ -174,6 +218,27 @@ def test_matches_torch_adamw_with_clipping(speculation, clipping):
             # The first bucket's norm already exceeds TINY: clipping is certain before anything is
             # speculated, so nothing is stepped twice (speculation.SpeculationBudget).
             assert counters.rollbacks == 0, counters.as_dict()
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("precision, speculation, clipping, host_kernel, cast", [
+    ("compact", "on", "mild", "reference", "device"),  # speculated, rolled back (pre-step bytes restored), replayed
+    ("compact", "off", "always", "reference", "device"),
+    ("compact", "auto", "none", "cpp", "device"),  # the GraceAdam compact kernel inside the engine
+    ("compact32", "on", "mild_alternating", "cpp", "host"),  # bf16 gradients, stepped as they landed
+])
+def test_compact_state_matches_the_compact_reference_bitwise(precision, speculation, clipping, host_kernel, cast):
+    """Weights and every byte of the compact state, after every step, against per-parameter compact
+    buffers stepped by host/compact.py (one device-resident bucket: fp32 state, as the engine keeps it)."""
+    pair = make_pair(speculation, state_precision=precision, host_kernel=host_kernel, cast=cast)
+    try:
+        run_side_by_side(pair, CLIPPING[clipping], steps=5)
+        counters = pair.opt.counters
+        if speculation == "on" and clipping == "mild":
+            assert counters.rollbacks > 0 and counters.replays > 0, counters.as_dict()
+        if speculation == "off":
+            assert counters.speculative_steps == 0, counters.as_dict()
     finally:
         pair.close()
 

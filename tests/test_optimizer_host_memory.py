@@ -72,6 +72,49 @@ def test_engine_holds_16_bytes_per_param_at_rest_after_the_replan(device_mode):
         opt.close()
 
 
+@pytest.mark.parametrize("precision, state_bytes", [("compact", 5.125), ("compact32", 6.125)])
+def test_compact_state_holds_its_bytes_per_param_by_the_ledger_as_the_footprint_says(device_mode, precision,
+                                                                                      state_bytes):
+    """master_bf16 + master_err + int8 m + uint8 sqrt(v) + two bf16 scales per 32: 5.125 (6.125)
+    B/param of host state, no fp32 master and no `lowp`; every kind the Ledger holds is the
+    footprint's row (the snapshot of a speculated bucket counted once it exists)."""
+    model = mlp(128, 4).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    config = engine_config(bucket_size_mb=0.05, device_buckets=0, device_dtype="bf16", state_precision=precision,
+                           cast="host", speculation="on")
+    opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config=config)
+    try:
+        x, y = torch.randn(4, 128).to(torch.bfloat16), torch.randn(4, 128).to(torch.bfloat16)
+        for _ in range(3):
+            ((model(x).float() - y.float()) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        engine = opt._engine
+        ledger, policy = engine.buckets.ledger, engine.buckets.policy
+        assert "master" not in policy.host_kinds() and "lowp" not in policy.host_kinds()
+        kinds = policy.state_kinds
+        state = sum(ledger.bytes(place, kind) for place in ("host", "pinned") for kind in kinds)
+        slack = 2 * 64 * 6 * len(opt.plan.buckets)  # bucket alignment in each arena
+        assert state_bytes * n <= state <= state_bytes * n + slack, (state / n, n)
+        if device_mode == "sim":  # page-locked where it crosses the link (the CPU device pins nothing)
+            assert ledger.bytes("pinned", "master_bf16") == ledger.bytes(kind="master_bf16") > 0
+            assert ledger.bytes("pinned", "master_err") == ledger.bytes("pinned", "exp_avg_q") == 0
+        rows = {r.what: r for r in engine.footprint()}
+        for kind in kinds:
+            assert rows[kind].nbytes == ledger.bytes(kind=kind), kind
+        snapshot = ledger.bytes(kind="snapshot")
+        assert snapshot in (0, rows["snapshot"].nbytes), (snapshot, rows["snapshot"].nbytes)
+        if device_mode == "sim":  # the device overlaps: speculated, so the snapshots exist
+            assert opt.counters.speculative_steps > 0 and snapshot == rows["snapshot"].nbytes
+        # (a lazily allocated fp32 gradient buffer, BufferPolicy.grad_lazy, is the fp32 path's, not counted)
+        lazy = ledger.bytes(kind="grad") if policy.grad_lazy else 0
+        resident = [r for r in engine.footprint() if not r.transient and r.place != "device" and r.what != "snapshot"]
+        assert sum(r.nbytes for r in resident) == host_bytes(opt) - snapshot - lazy
+        assert f"state {precision} " in opt.summary() and "B/param" in opt.summary()
+    finally:
+        opt.close()
+
+
 def test_state_dict_views_the_live_host_buffers_and_saves_each_once(device_mode):
     model = mlp(64, 3)
     n = sum(p.numel() for p in model.parameters())

@@ -178,3 +178,33 @@ def test_the_guessed_order_interleaves_param_groups_as_the_model_does():
     assert plan.ready_order() == [8, 5, 4, 7, 3, 2, 6, 1, 0]
     one_group = BucketPlan.build(shapes, [list(range(9))], bucket_numel=16)
     assert one_group.ready_order() == list(range(8, -1, -1))
+
+
+def test_aligned_slots_start_at_multiples_of_the_group_and_gaps_are_the_padding():
+    shapes = [(33,), (1,), (32,), (5, 7)]
+    plan = build(shapes=shapes, groups=[[0, 1, 2, 3]], bucket_numel=1000, align=32)
+    (bucket,) = plan.buckets
+    assert [(s.index, s.offset, s.numel) for s in bucket.slots] == [(3, 0, 35), (2, 64, 32), (1, 96, 1), (0, 128, 33)]
+    assert bucket.numel == 161 and plan.param_numel == 101 and plan.total_numel == 161
+    assert bucket.gaps == ((35, 64), (97, 128))
+    assert build(shapes=shapes, groups=[[0, 1, 2, 3]], bucket_numel=1000).buckets[0].gaps == ()
+    assert "slots aligned to 32 elements" in str(plan)
+
+
+def test_aligned_packing_counts_the_padding_towards_the_bucket_size():
+    # unaligned, 33 + 1 + 31 = 65 fit in 65; aligned, the padding makes the third one spill
+    shapes = [(31,), (1,), (33,)]
+    assert len(build(shapes=shapes, groups=[[0, 1, 2]], bucket_numel=65).buckets) == 1
+    plan = build(shapes=shapes, groups=[[0, 1, 2]], bucket_numel=65, align=32)
+    assert [b.param_indices for b in plan.buckets] == [(2, 1), (0,)]
+    assert all(b.numel <= 65 for b in plan.buckets)
+
+
+def test_runs_never_span_the_padding_between_slots():
+    from superoffload_hf.engine.stepper import plan_runs
+
+    plan = build(shapes=[(32,), (3,), (32,)], groups=[[0, 1, 2]], bucket_numel=1000, align=32)
+    (bucket,) = plan.buckets  # slots: 2 at 0, 1 at 32 (3 elements), 0 at 64
+    runs = plan_runs(bucket, [True] * 3, [0, 0, 0])
+    assert [(r.offset, r.numel, r.slots) for r in runs] == [(0, 35, (0, 1)), (64, 32, (2,))]
+    assert all(r.offset % 32 == 0 for r in runs)

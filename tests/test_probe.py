@@ -26,6 +26,9 @@ def test_probe_measures_the_machine_and_prints_the_plan_for_a_recipe(tmp_path, c
     assert set(report["host_adam_rate"]) == set(report["host_adam_rate_busy"]) == {"1", "2"}
     assert all(r > 0 for r in report["host_adam_rate"].values())
     assert report["device_adam_rate"] > 0 and report["device_free_bytes"] > 0
+    assert report["host_adam_compact_rate"] > 0
+    assert report["state_precision"] == "fp32" and report["state_bytes_per_param"] == 12.0  # the recipe's
+    assert "host state fp32, 12.000 B/param stored" in text and "compact host Adam " in text
     workload = report["workload"]
     assert 1.2e6 < workload["num_params"] < 1.5e6  # the recipe's 1.3M-parameter Llama
     assert workload["tokens_per_step"] == 8 * 128

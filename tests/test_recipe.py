@@ -347,3 +347,14 @@ def test_resolved_recipe_round_trips_through_to_dict():
     recipe = recipe_from_dict(minimal_recipe())
     again = recipe_from_dict(recipe.to_dict())
     assert isinstance(again, Recipe) and again.to_dict() == recipe.to_dict()
+
+
+def test_state_precision_travels_in_the_superoffload_section_and_needs_bf16():
+    recipe = recipe_from_dict(minimal_recipe(superoffload={"state_precision": "compact", "device_dtype": "bf16"}))
+    assert recipe.superoffload["state_precision"] == "compact" and recipe.model_dtype == "bfloat16"
+    overridden = apply_overrides(minimal_recipe(superoffload={"device_dtype": "bf16"}),
+                                 parse_overrides(["--superoffload.state_precision", "compact32"]))
+    assert recipe_from_dict(overridden).superoffload["state_precision"] == "compact32"
+    with pytest.raises(RecipeError, match=r"In the `superoffload:` section: `state_precision` is 'compact' but "
+                                          r"`device_dtype` is 'fp32'.*`device_dtype: bf16`"):
+        recipe_from_dict(minimal_recipe(superoffload={"state_precision": "compact", "device_dtype": "fp32"}))

@@ -377,6 +377,14 @@ def test_unknown_superoffload_key_fails_with_a_clear_message(tmp_path):
         TrainingArguments(output_dir=str(tmp_path), superoffload_config={"rollback": "undo"})
 
 
+def test_state_precision_travels_from_training_arguments_and_compact_needs_bf16(tmp_path):
+    args = parse(["--output_dir", str(tmp_path), "--use_cpu", "--bf16", "--superoffload_config",
+                  '{"state_precision": "compact"}'])
+    assert args.superoffload_plugin().to_config("bf16").state_precision == "compact"
+    with pytest.raises(ConfigError, match=r"`state_precision` is 'compact' but `device_dtype` is 'fp32'.*bf16 mixed precision"):
+        TrainingArguments(output_dir=str(tmp_path), use_cpu=True, superoffload_config={"state_precision": "compact"})
+
+
 @pytest.mark.parametrize("flag", [["--deepspeed", "ds.json"], ["--fsdp"], ["--optim", "adafactor"]])
 def test_superoffload_refuses_what_it_cannot_combine_with(tmp_path, flag):
     with pytest.raises(ValueError, match="superoffload"):

@@ -168,7 +168,147 @@ double sum_squares_block(const void* g, int64_t n) {
   return sum_squares_tail(g, GD, n_lanes, n, s1);
 }
 
+// ---- the compact step: one group of kCompactGroup = 4 vectors at a time ---------------------
+
+GRACE_ADAM_INLINE __m256 pow2_vec(__m256i k) {  // 2^k for k in [-126, 127]
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
+}
+
+// f32_to_bf16_rne_vec before narrowing: the bf16 bits in the low half of each 32-bit lane.
+GRACE_ADAM_INLINE __m256i f32_to_bf16_bits_vec(__m256 p) {
+  const __m256i bits = _mm256_castps_si256(p);
+  const __m256i abs_bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i is_nan = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f800000));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
+}
+
+GRACE_ADAM_INLINE __m256i unit_exponent(__m256i hi_bits, int b) {  // max(E, 1) - kUnitBias - B
+  const __m256i biased = _mm256_and_si256(_mm256_srli_epi32(hi_bits, 7), _mm256_set1_epi32(0xff));
+  return _mm256_sub_epi32(_mm256_max_epi32(biased, _mm256_set1_epi32(1)), _mm256_set1_epi32(kUnitBias + b));
+}
+
+template <int B>
+GRACE_ADAM_INLINE __m256i load_err(const void* err, int64_t i) {
+  if constexpr (B == 7) return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(err) + i)));
+  else return _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(err) + i)));
+}
+
+// master_decode_one lane by lane.
+template <int B>
+GRACE_ADAM_INLINE __m256 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
+  const __m256i hb = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + i)));
+  const __m256i j = unit_exponent(hb, B);
+  const __m256i j1 = _mm256_max_epi32(j, _mm256_set1_epi32(-126));
+  const __m256 e = _mm256_cvtepi32_ps(load_err<B>(err, i));
+  const __m256 scaled = _mm256_mul_ps(_mm256_mul_ps(e, pow2_vec(j1)), pow2_vec(_mm256_sub_epi32(j, j1)));
+  return _mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(hb, 16)), scaled);
+}
+
+// master_encode_one lane by lane: stores hi and err (saturating packs are the clamp).
+template <int B>
+GRACE_ADAM_INLINE void master_encode_vec(__m256 w, uint16_t* hi, void* err, int64_t i) {
+  const __m256i hb = f32_to_bf16_bits_vec(w);
+  const __m256 r = _mm256_sub_ps(w, _mm256_castsi256_ps(_mm256_slli_epi32(hb, 16)));  // exact
+  const __m256i k = _mm256_sub_epi32(_mm256_setzero_si256(), unit_exponent(hb, B));
+  const __m256i k1 = _mm256_min_epi32(k, _mm256_set1_epi32(127));
+  const __m256 x = _mm256_mul_ps(_mm256_mul_ps(r, pow2_vec(k1)), pow2_vec(_mm256_sub_epi32(k, k1)));
+  const __m256i not_finite = _mm256_cmpeq_epi32(_mm256_and_si256(hb, _mm256_set1_epi32(0x7f80)), _mm256_set1_epi32(0x7f80));
+  const __m256i e = _mm256_andnot_si256(not_finite, _mm256_cvtps_epi32(x));  // nearest even (MXCSR default)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), narrow_u32_to_u16(hb));
+  const __m128i e16 = _mm_packs_epi32(_mm256_castsi256_si128(e), _mm256_extracti128_si256(e, 1));
+  if constexpr (B == 7) _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<int8_t*>(err) + i), _mm_packs_epi16(e16, e16));
+  else _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int16_t*>(err) + i), e16);
+}
+
+GRACE_ADAM_INLINE int32_t hmax_epi32(__m256i x) {
+  x = _mm256_max_epi32(x, _mm256_permute2x128_si256(x, x, 1));
+  x = _mm256_max_epi32(x, _mm256_shuffle_epi32(x, 0x4e));
+  x = _mm256_max_epi32(x, _mm256_shuffle_epi32(x, 0xb1));
+  return _mm256_cvtsi256_si32(x);
+}
+
+// Four vectors of 32-bit integers (each in the range of the target) packed to 32 bytes, in order.
+template <bool UNSIGNED>
+GRACE_ADAM_INLINE __m256i pack_32_bytes(const __m256i q[4]) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  if constexpr (UNSIGNED) {
+    const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_packus_epi32(q[2], q[3]));
+    return _mm256_permutevar8x32_epi32(w, order);
+  } else {
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    return _mm256_permutevar8x32_epi32(w, order);
+  }
+}
+
+template <int B, GradDtype GD, bool L2>
+GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
+  constexpr int kVecs = kCompactGroup / kWidth;
+  const __m256 m_scale = _mm256_set1_ps(bf16_to_f32(b.ms[0])), s_scale = _mm256_set1_ps(bf16_to_f32(b.vs[0]));
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  __m256 m_new[kVecs], s_new[kVecs];
+  __m256i m_amax = _mm256_setzero_si256(), s_amax = _mm256_setzero_si256();
+  for (int u = 0; u < kVecs; ++u) {
+    const int64_t i = u * kWidth;
+    __m256 pv = master_decode_vec<B>(b.hi, b.err, i);
+    const __m256 mq = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.mq + i))));
+    const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.vq + i)))), s_scale);
+    __m256 gv = _mm256_mul_ps(load_grad_vec<GD>(g, i), k.grad_scale);
+    if constexpr (L2) gv = _mm256_fmadd_ps(k.l2, pv, gv);
+    const __m256 mv = _mm256_fmadd_ps(k.beta1, _mm256_mul_ps(mq, m_scale), _mm256_mul_ps(k.one_minus_beta1, gv));
+    const __m256 g2 = _mm256_mul_ps(_mm256_mul_ps(k.one_minus_beta2, gv), gv);
+    const __m256 vv = _mm256_fmadd_ps(k.beta2, _mm256_mul_ps(t, t), g2);
+    const __m256 sv = _mm256_sqrt_ps(vv);
+    const __m256 denom = _mm256_fmadd_ps(sv, k.inv_sqrt_bc2, k.eps);
+    pv = _mm256_fmadd_ps(k.neg_step_size, _mm256_div_ps(mv, denom), _mm256_mul_ps(pv, k.decay));
+    master_encode_vec<B>(pv, b.hi, b.err, i);
+    m_new[u] = mv;
+    s_new[u] = sv;
+    m_amax = _mm256_max_epi32(m_amax, _mm256_and_si256(_mm256_castps_si256(mv), abs_mask));
+    s_amax = _mm256_max_epi32(s_amax, _mm256_and_si256(_mm256_castps_si256(sv), abs_mask));
+  }
+  const GroupScale ms = exp_avg_scale(static_cast<uint32_t>(hmax_epi32(m_amax)));
+  const GroupScale ss = exp_avg_sq_scale(static_cast<uint32_t>(hmax_epi32(s_amax)));
+  b.ms[0] = ms.bits;
+  b.vs[0] = ss.bits;
+  const __m256 m_rcp = _mm256_set1_ps(ms.rcp), s_rcp = _mm256_set1_ps(ss.rcp);
+  const __m256i one = _mm256_set1_epi32(1);
+  __m256i mq[kVecs], vq[kVecs];
+  for (int u = 0; u < kVecs; ++u) {
+    mq[u] = _mm256_cvtps_epi32(_mm256_mul_ps(m_new[u], m_rcp));
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(s_new[u], s_rcp));
+    const __m256i positive = _mm256_cmpgt_epi32(_mm256_castps_si256(s_new[u]), _mm256_setzero_si256());
+    vq[u] = _mm256_max_epi32(q, _mm256_and_si256(positive, one));  // a nonzero v never encodes to 0
+  }
+  // A non-finite group stores zeros (its scale is NaN); cvtps of NaN would give INT_MIN.
+  const __m256i m_bytes = ms.finite ? pack_32_bytes<false>(mq) : _mm256_setzero_si256();
+  const __m256i v_bytes = ss.finite ? pack_32_bytes<true>(vq) : _mm256_setzero_si256();
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.mq), m_bytes);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.vq), v_bytes);
+}
+
+template <int B, GradDtype GD, bool L2>
+void compact_step_loop(const CompactBuffers& b, ErrDtype ed, const void* g, int64_t n, const Coeffs& c) {
+  const Vcoeffs k(c);
+  const int64_t full = n - n % kCompactGroup;
+  for (int64_t at = 0; at < full; at += kCompactGroup) {
+    compact_full_group<B, GD, L2>(compact_offset(b, ed, at), grad_offset(g, GD, at), k);
+  }
+  if (full < n) compact_step_scalar(compact_offset(b, ed, full), ed, grad_offset(g, GD, full), GD, n - full, c);
+}
+
 }  // namespace
+
+void compact_step_avx2(const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n,
+                       const Coeffs& c) {
+  with_variant(gd, LowpDtype::NONE, c.l2 != 0.0f, [&](auto gt, auto, auto l2) {
+    constexpr GradDtype GD = decltype(gt)::value;
+    constexpr bool L2 = decltype(l2)::value;
+    if (ed == ErrDtype::I8) compact_step_loop<7, GD, L2>(b, ed, g, n, c);
+    else compact_step_loop<15, GD, L2>(b, ed, g, n, c);
+  });
+}
 
 void step_avx2(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
                LowpDtype ld, int64_t n, const Coeffs& c) {

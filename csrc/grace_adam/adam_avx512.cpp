@@ -171,7 +171,124 @@ double sum_squares_block(const void* g, int64_t n) {
   return sum_squares_tail(g, GD, n_lanes, n, s1);
 }
 
+// ---- the compact step: one group of kCompactGroup = 2 vectors at a time ---------------------
+// The operations of compact_group (adam_scalar.cpp) lane by lane; see adam_avx2.cpp.
+
+GRACE_ADAM_INLINE __m512 pow2_vec(__m512i k) {  // 2^k for k in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23));
+}
+
+GRACE_ADAM_INLINE __m512i f32_to_bf16_bits_vec(__m512 p) {  // f32_to_bf16_rne_vec before narrowing
+  const __m512i bits = _mm512_castps_si512(p);
+  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(abs_bits, _mm512_set1_epi32(0x7f800000));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
+}
+
+GRACE_ADAM_INLINE __m512i unit_exponent(__m512i hi_bits, int b) {  // max(E, 1) - kUnitBias - B
+  const __m512i biased = _mm512_and_si512(_mm512_srli_epi32(hi_bits, 7), _mm512_set1_epi32(0xff));
+  return _mm512_sub_epi32(_mm512_max_epi32(biased, _mm512_set1_epi32(1)), _mm512_set1_epi32(kUnitBias + b));
+}
+
+template <int B>
+GRACE_ADAM_INLINE __m512i load_err(const void* err, int64_t i) {
+  if constexpr (B == 7) return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(err) + i)));
+  else return _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int16_t*>(err) + i)));
+}
+
+template <int B>
+GRACE_ADAM_INLINE __m512 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
+  const __m512i hb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + i)));
+  const __m512i j = unit_exponent(hb, B);
+  const __m512i j1 = _mm512_max_epi32(j, _mm512_set1_epi32(-126));
+  const __m512 e = _mm512_cvtepi32_ps(load_err<B>(err, i));
+  const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(e, pow2_vec(j1)), pow2_vec(_mm512_sub_epi32(j, j1)));
+  return _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(hb, 16)), scaled);
+}
+
+template <int B>
+GRACE_ADAM_INLINE void master_encode_vec(__m512 w, uint16_t* hi, void* err, int64_t i) {
+  const __m512i hb = f32_to_bf16_bits_vec(w);
+  const __m512 r = _mm512_sub_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(hb, 16)));  // exact
+  const __m512i k = _mm512_sub_epi32(_mm512_setzero_si512(), unit_exponent(hb, B));
+  const __m512i k1 = _mm512_min_epi32(k, _mm512_set1_epi32(127));
+  const __m512 x = _mm512_mul_ps(_mm512_mul_ps(r, pow2_vec(k1)), pow2_vec(_mm512_sub_epi32(k, k1)));
+  const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(hb, _mm512_set1_epi32(0x7f80)), _mm512_set1_epi32(0x7f80));
+  const __m512i e = _mm512_maskz_mov_epi32(finite, _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi32_epi16(hb));
+  // saturating narrowing: the clamp to [-2^B, 2^B - 1]
+  if constexpr (B == 7) _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int8_t*>(err) + i), _mm512_cvtsepi32_epi8(e));
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<int16_t*>(err) + i), _mm512_cvtsepi32_epi16(e));
+}
+
+template <int B, GradDtype GD, bool L2>
+GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
+  constexpr int kVecs = kCompactGroup / kWidth;
+  const __m512 m_scale = _mm512_set1_ps(bf16_to_f32(b.ms[0])), s_scale = _mm512_set1_ps(bf16_to_f32(b.vs[0]));
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  __m512 m_new[kVecs], s_new[kVecs];
+  __m512i m_amax = _mm512_setzero_si512(), s_amax = _mm512_setzero_si512();
+  for (int u = 0; u < kVecs; ++u) {
+    const int64_t i = u * kWidth;
+    __m512 pv = master_decode_vec<B>(b.hi, b.err, i);
+    const __m512 mq = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.mq + i))));
+    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.vq + i)))), s_scale);
+    __m512 gv = _mm512_mul_ps(load_grad_vec<GD>(g, i), k.grad_scale);
+    if constexpr (L2) gv = _mm512_fmadd_ps(k.l2, pv, gv);
+    const __m512 mv = _mm512_fmadd_ps(k.beta1, _mm512_mul_ps(mq, m_scale), _mm512_mul_ps(k.one_minus_beta1, gv));
+    const __m512 g2 = _mm512_mul_ps(_mm512_mul_ps(k.one_minus_beta2, gv), gv);
+    const __m512 vv = _mm512_fmadd_ps(k.beta2, _mm512_mul_ps(t, t), g2);
+    const __m512 sv = _mm512_sqrt_ps(vv);
+    const __m512 denom = _mm512_fmadd_ps(sv, k.inv_sqrt_bc2, k.eps);
+    pv = _mm512_fmadd_ps(k.neg_step_size, _mm512_div_ps(mv, denom), _mm512_mul_ps(pv, k.decay));
+    master_encode_vec<B>(pv, b.hi, b.err, i);
+    m_new[u] = mv;
+    s_new[u] = sv;
+    m_amax = _mm512_max_epi32(m_amax, _mm512_and_si512(_mm512_castps_si512(mv), abs_mask));
+    s_amax = _mm512_max_epi32(s_amax, _mm512_and_si512(_mm512_castps_si512(sv), abs_mask));
+  }
+  const GroupScale ms = exp_avg_scale(static_cast<uint32_t>(_mm512_reduce_max_epi32(m_amax)));
+  const GroupScale ss = exp_avg_sq_scale(static_cast<uint32_t>(_mm512_reduce_max_epi32(s_amax)));
+  b.ms[0] = ms.bits;
+  b.vs[0] = ss.bits;
+  const __m512 m_rcp = _mm512_set1_ps(ms.rcp), s_rcp = _mm512_set1_ps(ss.rcp);
+  for (int u = 0; u < kVecs; ++u) {
+    const int64_t i = u * kWidth;
+    __m512i mq = _mm512_cvt_roundps_epi32(_mm512_mul_ps(m_new[u], m_rcp), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i vq = _mm512_cvt_roundps_epi32(_mm512_mul_ps(s_new[u], s_rcp), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 positive = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(s_new[u]), _mm512_setzero_si512());
+    vq = _mm512_mask_max_epi32(vq, positive, vq, _mm512_set1_epi32(1));  // a nonzero v never encodes to 0
+    // A non-finite group stores zeros (its scale is NaN); cvt of NaN would give INT_MIN.
+    if (!ms.finite) mq = _mm512_setzero_si512();
+    if (!ss.finite) vq = _mm512_setzero_si512();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.mq + i), _mm512_cvtsepi32_epi8(mq));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.vq + i), _mm512_cvtusepi32_epi8(vq));
+  }
+}
+
+template <int B, GradDtype GD, bool L2>
+void compact_step_loop(const CompactBuffers& b, ErrDtype ed, const void* g, int64_t n, const Coeffs& c) {
+  const Vcoeffs k(c);
+  const int64_t full = n - n % kCompactGroup;
+  for (int64_t at = 0; at < full; at += kCompactGroup) {
+    compact_full_group<B, GD, L2>(compact_offset(b, ed, at), grad_offset(g, GD, at), k);
+  }
+  if (full < n) compact_step_scalar(compact_offset(b, ed, full), ed, grad_offset(g, GD, full), GD, n - full, c);
+}
+
 }  // namespace
+
+void compact_step_avx512(const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n,
+                         const Coeffs& c) {
+  with_variant(gd, LowpDtype::NONE, c.l2 != 0.0f, [&](auto gt, auto, auto l2) {
+    constexpr GradDtype GD = decltype(gt)::value;
+    constexpr bool L2 = decltype(l2)::value;
+    if (ed == ErrDtype::I8) compact_step_loop<7, GD, L2>(b, ed, g, n, c);
+    else compact_step_loop<15, GD, L2>(b, ed, g, n, c);
+  });
+}
 
 void step_avx512(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
                  LowpDtype ld, int64_t n, const Coeffs& c) {

@@ -165,7 +165,131 @@ double sum_squares_block(const void* g, int64_t n) {
   return sum_squares_tail(g, GD, n_lanes, n, s1);
 }
 
+// ---- the compact step: one group of kCompactGroup elements at a time, 8 lanes (2 vectors) per
+// unit so that the 8-bit buffers load and store 8 bytes at once. The operations of compact_group
+// (adam_scalar.cpp) lane by lane; the narrowing moves saturate (the clamps).
+
+GRACE_ADAM_INLINE float32x4_t pow2_vec(int32x4_t k) {  // 2^k for k in [-126, 127]
+  return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(k, vdupq_n_s32(127)), 23));
+}
+
+GRACE_ADAM_INLINE uint32x4_t f32_to_bf16_bits_vec(float32x4_t p) {  // f32_to_bf16_rne_vec before narrowing
+  const uint32x4_t bits = vreinterpretq_u32_f32(p);
+  const uint32x4_t is_nan = vcgtq_u32(vandq_u32(bits, vdupq_n_u32(0x7fffffffu)), vdupq_n_u32(0x7f800000u));
+  const uint32x4_t lsb = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1u));
+  const uint32x4_t rounded = vshrq_n_u32(vaddq_u32(bits, vaddq_u32(lsb, vdupq_n_u32(0x7fffu))), 16);
+  return vbslq_u32(is_nan, vdupq_n_u32(0x7fc0u), rounded);
+}
+
+GRACE_ADAM_INLINE int32x4_t unit_exponent(uint32x4_t hi_bits, int b) {  // max(E, 1) - kUnitBias - B
+  const int32x4_t biased = vreinterpretq_s32_u32(vandq_u32(vshrq_n_u32(hi_bits, 7), vdupq_n_u32(0xffu)));
+  return vsubq_s32(vmaxq_s32(biased, vdupq_n_s32(1)), vdupq_n_s32(kUnitBias + b));
+}
+
+GRACE_ADAM_INLINE float32x4_t master_decode_vec(uint32x4_t hb, int32x4_t e, int b) {
+  const int32x4_t j = unit_exponent(hb, b);
+  const int32x4_t j1 = vmaxq_s32(j, vdupq_n_s32(-126));
+  const float32x4_t scaled = vmulq_f32(vmulq_f32(vcvtq_f32_s32(e), pow2_vec(j1)), pow2_vec(vsubq_s32(j, j1)));
+  return vaddq_f32(vreinterpretq_f32_u32(vshlq_n_u32(hb, 16)), scaled);
+}
+
+// master_encode_one lane by lane, before the clamp: (hi bits, err as int32).
+GRACE_ADAM_INLINE void master_encode_vec(float32x4_t w, int b, uint32x4_t& hb, int32x4_t& e) {
+  hb = f32_to_bf16_bits_vec(w);
+  const float32x4_t r = vsubq_f32(w, vreinterpretq_f32_u32(vshlq_n_u32(hb, 16)));  // exact
+  const int32x4_t k = vnegq_s32(unit_exponent(hb, b));
+  const int32x4_t k1 = vminq_s32(k, vdupq_n_s32(127));
+  const float32x4_t x = vmulq_f32(vmulq_f32(r, pow2_vec(k1)), pow2_vec(vsubq_s32(k, k1)));
+  const uint32x4_t not_finite = vceqq_u32(vandq_u32(hb, vdupq_n_u32(0x7f80u)), vdupq_n_u32(0x7f80u));
+  e = vbicq_s32(vcvtnq_s32_f32(x), vreinterpretq_s32_u32(not_finite));  // nearest even
+}
+
+template <int B, GradDtype GD, bool L2>
+GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
+  using Err = std::conditional_t<B == 7, int8_t, int16_t>;
+  constexpr int kUnits = kCompactGroup / (2 * kWidth);
+  Err* err = static_cast<Err*>(b.err);
+  const float m_scale = bf16_to_f32(b.ms[0]), s_scale = bf16_to_f32(b.vs[0]);
+  float32x4_t m_new[2 * kUnits], s_new[2 * kUnits];
+  uint32x4_t m_amax = vdupq_n_u32(0), s_amax = vdupq_n_u32(0);
+  for (int u = 0; u < kUnits; ++u) {
+    const int64_t i = u * 2 * kWidth;
+    const uint16x8_t hi8 = vld1q_u16(b.hi + i);
+    int16x8_t err8;
+    if constexpr (B == 7) err8 = vmovl_s8(vld1_s8(err + i));
+    else err8 = vld1q_s16(err + i);
+    const int16x8_t mq8 = vmovl_s8(vld1_s8(b.mq + i));
+    const uint16x8_t vq8 = vmovl_u8(vld1_u8(b.vq + i));
+    uint32x4_t hb_out[2];
+    int32x4_t e_out[2];
+    for (int h = 0; h < 2; ++h) {
+      const uint32x4_t hb = h == 0 ? vmovl_u16(vget_low_u16(hi8)) : vmovl_high_u16(hi8);
+      const int32x4_t e = h == 0 ? vmovl_s16(vget_low_s16(err8)) : vmovl_high_s16(err8);
+      const int32x4_t mq = h == 0 ? vmovl_s16(vget_low_s16(mq8)) : vmovl_high_s16(mq8);
+      const uint32x4_t vq = h == 0 ? vmovl_u16(vget_low_u16(vq8)) : vmovl_high_u16(vq8);
+      float32x4_t pv = master_decode_vec(hb, e, B);
+      const float32x4_t t = vmulq_n_f32(vcvtq_f32_u32(vq), s_scale);
+      float32x4_t gv = vmulq_f32(load_grad_vec<GD>(g, i + h * kWidth), k.grad_scale);
+      if constexpr (L2) gv = fma4(k.l2, pv, gv);
+      const float32x4_t mv = fma4(k.beta1, vmulq_n_f32(vcvtq_f32_s32(mq), m_scale), vmulq_f32(k.one_minus_beta1, gv));
+      const float32x4_t g2 = vmulq_f32(vmulq_f32(k.one_minus_beta2, gv), gv);
+      const float32x4_t vv = fma4(k.beta2, vmulq_f32(t, t), g2);
+      const float32x4_t sv = vsqrtq_f32(vv);
+      const float32x4_t denom = fma4(sv, k.inv_sqrt_bc2, k.eps);
+      pv = fma4(k.neg_step_size, vdivq_f32(mv, denom), vmulq_f32(pv, k.decay));
+      master_encode_vec(pv, B, hb_out[h], e_out[h]);
+      m_new[2 * u + h] = mv;
+      s_new[2 * u + h] = sv;
+      m_amax = vmaxq_u32(m_amax, vandq_u32(vreinterpretq_u32_f32(mv), vdupq_n_u32(0x7fffffffu)));
+      s_amax = vmaxq_u32(s_amax, vandq_u32(vreinterpretq_u32_f32(sv), vdupq_n_u32(0x7fffffffu)));
+    }
+    vst1q_u16(b.hi + i, vcombine_u16(vmovn_u32(hb_out[0]), vmovn_u32(hb_out[1])));
+    const int16x8_t e16 = vcombine_s16(vqmovn_s32(e_out[0]), vqmovn_s32(e_out[1]));  // saturating: the clamp
+    if constexpr (B == 7) vst1_s8(err + i, vqmovn_s16(e16));
+    else vst1q_s16(err + i, e16);
+  }
+  const GroupScale ms = exp_avg_scale(vmaxvq_u32(m_amax)), ss = exp_avg_sq_scale(vmaxvq_u32(s_amax));
+  b.ms[0] = ms.bits;
+  b.vs[0] = ss.bits;
+  for (int u = 0; u < kUnits; ++u) {
+    const int64_t i = u * 2 * kWidth;
+    int32x4_t mq[2], vq[2];
+    for (int h = 0; h < 2; ++h) {
+      const float32x4_t s = s_new[2 * u + h];
+      mq[h] = vcvtnq_s32_f32(vmulq_n_f32(m_new[2 * u + h], ms.rcp));
+      const int32x4_t q = vcvtnq_s32_f32(vmulq_n_f32(s, ss.rcp));
+      const int32x4_t positive = vreinterpretq_s32_u32(vcgtq_f32(s, vdupq_n_f32(0.0f)));
+      vq[h] = vmaxq_s32(q, vandq_s32(positive, vdupq_n_s32(1)));  // a nonzero v never encodes to 0
+    }
+    // A non-finite group stores zeros (its scale is NaN).
+    const int8x8_t m8 = ms.finite ? vqmovn_s16(vcombine_s16(vqmovn_s32(mq[0]), vqmovn_s32(mq[1]))) : vdup_n_s8(0);
+    const uint8x8_t v8 = ss.finite ? vqmovn_u16(vcombine_u16(vqmovun_s32(vq[0]), vqmovun_s32(vq[1]))) : vdup_n_u8(0);
+    vst1_s8(b.mq + i, m8);
+    vst1_u8(b.vq + i, v8);
+  }
+}
+
+template <int B, GradDtype GD, bool L2>
+void compact_step_loop(const CompactBuffers& b, ErrDtype ed, const void* g, int64_t n, const Coeffs& c) {
+  const Vcoeffs k(c);
+  const int64_t full = n - n % kCompactGroup;
+  for (int64_t at = 0; at < full; at += kCompactGroup) {
+    compact_full_group<B, GD, L2>(compact_offset(b, ed, at), grad_offset(g, GD, at), k);
+  }
+  if (full < n) compact_step_scalar(compact_offset(b, ed, full), ed, grad_offset(g, GD, full), GD, n - full, c);
+}
+
 }  // namespace
+
+void compact_step_neon(const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n,
+                       const Coeffs& c) {
+  with_variant(gd, LowpDtype::NONE, c.l2 != 0.0f, [&](auto gt, auto, auto l2) {
+    constexpr GradDtype GD = decltype(gt)::value;
+    constexpr bool L2 = decltype(l2)::value;
+    if (ed == ErrDtype::I8) compact_step_loop<7, GD, L2>(b, ed, g, n, c);
+    else compact_step_loop<15, GD, L2>(b, ed, g, n, c);
+  });
+}
 
 void step_neon(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
                LowpDtype ld, int64_t n, const Coeffs& c) {

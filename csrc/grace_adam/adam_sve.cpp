@@ -236,7 +236,124 @@ double sum_squares_block_vla(const void* g, int64_t n) {
   return sum_squares_block_any(g, GD, n);
 }
 
+// ---- the compact step ------------------------------------------------------------------------
+// One group at a time (a partial last group under a partial predicate): a first pass decodes,
+// updates and encodes the master, keeping the new m and s = sqrt(v) in two group-sized buffers
+// on the stack (whatever the vector length, even one longer than a group); a second pass
+// quantises them once the group's scales are known. The operations of compact_group
+// (adam_scalar.cpp) lane by lane.
+
+GRACE_ADAM_INLINE svfloat32_t pow2_vec(svbool_t pg, svint32_t k) {  // 2^k for k in [-126, 127]
+  return svreinterpret_f32_s32(svlsl_n_s32_x(pg, svadd_n_s32_x(pg, k, 127), 23));
+}
+
+GRACE_ADAM_INLINE svint32_t unit_exponent(svbool_t pg, svuint32_t hi_bits, int b) {  // max(E, 1) - kUnitBias - B
+  const svint32_t biased = svreinterpret_s32_u32(svand_n_u32_x(pg, svlsr_n_u32_x(pg, hi_bits, 7), 0xffu));
+  return svsub_n_s32_x(pg, svmax_n_s32_x(pg, biased, 1), kUnitBias + b);
+}
+
+template <int B>
+GRACE_ADAM_INLINE svint32_t load_err(svbool_t pg, const void* err, int64_t i) {
+  if constexpr (B == 7) return svld1sb_s32(pg, static_cast<const int8_t*>(err) + i);
+  else return svld1sh_s32(pg, static_cast<const int16_t*>(err) + i);
+}
+
+template <int B>
+GRACE_ADAM_INLINE svfloat32_t master_decode_vec(svbool_t pg, svuint32_t hb, svint32_t e) {
+  const svint32_t j = unit_exponent(pg, hb, B);
+  const svint32_t j1 = svmax_n_s32_x(pg, j, -126);
+  const svfloat32_t scaled = svmul_f32_x(pg, svmul_f32_x(pg, svcvt_f32_s32_x(pg, e), pow2_vec(pg, j1)),
+                                         pow2_vec(pg, svsub_s32_x(pg, j, j1)));
+  return svadd_f32_x(pg, svreinterpret_f32_u32(svlsl_n_u32_x(pg, hb, 16)), scaled);
+}
+
+template <int B>
+GRACE_ADAM_INLINE void master_encode_vec(svbool_t pg, svfloat32_t w, uint16_t* hi, void* err, int64_t i) {
+  const svuint32_t hb = f32_to_bf16_rne_vec(pg, w);
+  const svfloat32_t r = svsub_f32_x(pg, w, svreinterpret_f32_u32(svlsl_n_u32_x(pg, hb, 16)));  // exact
+  const svint32_t k = svneg_s32_x(pg, unit_exponent(pg, hb, B));
+  const svint32_t k1 = svmin_n_s32_x(pg, k, 127);
+  const svfloat32_t x = svmul_f32_x(pg, svmul_f32_x(pg, r, pow2_vec(pg, k1)), pow2_vec(pg, svsub_s32_x(pg, k, k1)));
+  // nearest even (svcvt alone truncates), clamped to [-2^B, 2^B - 1]; 0 where hi is inf or NaN
+  svint32_t e = svcvt_s32_f32_x(pg, svrintn_f32_x(pg, x));
+  e = svmin_n_s32_x(pg, svmax_n_s32_x(pg, e, -(1 << B)), (1 << B) - 1);
+  const svbool_t not_finite = svcmpeq_n_u32(pg, svand_n_u32_x(pg, hb, 0x7f80u), 0x7f80u);
+  e = svsel_s32(not_finite, svdup_n_s32(0), e);
+  svst1h_u32(pg, hi + i, hb);
+  if constexpr (B == 7) svst1b_s32(pg, static_cast<int8_t*>(err) + i, e);
+  else svst1h_s32(pg, static_cast<int16_t*>(err) + i, e);
+}
+
+template <int B, GradDtype GD, bool L2>
+void compact_group_sve(const CompactBuffers& b, const void* g, int64_t len, const Coeffs& c) {
+  const svfloat32_t beta1 = svdup_n_f32(c.beta1), beta2 = svdup_n_f32(c.beta2);
+  const svfloat32_t one_minus_beta1 = svdup_n_f32(c.one_minus_beta1);
+  const svfloat32_t one_minus_beta2 = svdup_n_f32(c.one_minus_beta2);
+  const svfloat32_t neg_step_size = svdup_n_f32(-c.step_size), decay = svdup_n_f32(c.decay);
+  const svfloat32_t inv_sqrt_bc2 = svdup_n_f32(c.inv_sqrt_bc2), eps = svdup_n_f32(c.eps);
+  const svfloat32_t l2 = svdup_n_f32(c.l2), grad_scale = svdup_n_f32(c.grad_scale);
+  const float m_scale = bf16_to_f32(b.ms[0]), s_scale = bf16_to_f32(b.vs[0]);
+  float m_new[kCompactGroup], s_new[kCompactGroup];
+  const int64_t vl = static_cast<int64_t>(svcntw());
+  svuint32_t m_amax = svdup_n_u32(0), s_amax = svdup_n_u32(0);
+  for (int64_t i = 0; i < len; i += vl) {
+    const svbool_t pg = svwhilelt_b32_s64(i, len);
+    const svuint32_t hb = svld1uh_u32(pg, b.hi + i);
+    svfloat32_t pv = master_decode_vec<B>(pg, hb, load_err<B>(pg, b.err, i));
+    const svfloat32_t mq = svcvt_f32_s32_x(pg, svld1sb_s32(pg, b.mq + i));
+    const svfloat32_t t = svmul_n_f32_x(pg, svcvt_f32_u32_x(pg, svld1ub_u32(pg, b.vq + i)), s_scale);
+    svfloat32_t gv = svmul_f32_x(pg, load_grad_vec<GD>(pg, g, i), grad_scale);
+    if constexpr (L2) gv = fma_vec(pg, l2, pv, gv);
+    const svfloat32_t mv = fma_vec(pg, beta1, svmul_n_f32_x(pg, mq, m_scale), svmul_f32_x(pg, one_minus_beta1, gv));
+    const svfloat32_t g2 = svmul_f32_x(pg, svmul_f32_x(pg, one_minus_beta2, gv), gv);
+    const svfloat32_t vv = fma_vec(pg, beta2, svmul_f32_x(pg, t, t), g2);
+    const svfloat32_t sv = svsqrt_f32_x(pg, vv);
+    const svfloat32_t denom = fma_vec(pg, sv, inv_sqrt_bc2, eps);
+    pv = fma_vec(pg, neg_step_size, svdiv_f32_x(pg, mv, denom), svmul_f32_x(pg, pv, decay));
+    master_encode_vec<B>(pg, pv, b.hi, b.err, i);
+    svst1_f32(pg, m_new + i, mv);
+    svst1_f32(pg, s_new + i, sv);
+    // _m: inactive lanes keep their running maximum
+    m_amax = svmax_u32_m(pg, m_amax, svand_n_u32_x(pg, svreinterpret_u32_f32(mv), 0x7fffffffu));
+    s_amax = svmax_u32_m(pg, s_amax, svand_n_u32_x(pg, svreinterpret_u32_f32(sv), 0x7fffffffu));
+  }
+  const svbool_t all = svptrue_b32();
+  const GroupScale ms = exp_avg_scale(svmaxv_u32(all, m_amax)), ss = exp_avg_sq_scale(svmaxv_u32(all, s_amax));
+  b.ms[0] = ms.bits;
+  b.vs[0] = ss.bits;
+  for (int64_t i = 0; i < len; i += vl) {
+    const svbool_t pg = svwhilelt_b32_s64(i, len);
+    const svfloat32_t s = svld1_f32(pg, s_new + i);
+    svint32_t mq = svcvt_s32_f32_x(pg, svrintn_f32_x(pg, svmul_n_f32_x(pg, svld1_f32(pg, m_new + i), ms.rcp)));
+    svint32_t vq = svcvt_s32_f32_x(pg, svrintn_f32_x(pg, svmul_n_f32_x(pg, s, ss.rcp)));
+    vq = svmax_s32_m(svcmpgt_n_f32(pg, s, 0.0f), vq, svdup_n_s32(1));  // a nonzero v never encodes to 0
+    // A non-finite group stores zeros (its scale is NaN).
+    if (!ms.finite) mq = svdup_n_s32(0);
+    if (!ss.finite) vq = svdup_n_s32(0);
+    svst1b_s32(pg, b.mq + i, mq);  // |q| <= 127 and 0 <= q <= 255 (compact.py): the low byte is q
+    svst1b_u32(pg, b.vq + i, svreinterpret_u32_s32(vq));
+  }
+}
+
+template <int B, GradDtype GD, bool L2>
+void compact_step_loop(const CompactBuffers& b, ErrDtype ed, const void* g, int64_t n, const Coeffs& c) {
+  for (int64_t at = 0; at < n; at += kCompactGroup) {
+    const int64_t len = n - at < kCompactGroup ? n - at : kCompactGroup;
+    compact_group_sve<B, GD, L2>(compact_offset(b, ed, at), grad_offset(g, GD, at), len, c);
+  }
+}
+
 }  // namespace
+
+void compact_step_sve(const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n,
+                      const Coeffs& c) {
+  with_variant(gd, LowpDtype::NONE, c.l2 != 0.0f, [&](auto gt, auto, auto l2) {
+    constexpr GradDtype GD = decltype(gt)::value;
+    constexpr bool L2 = decltype(l2)::value;
+    if (ed == ErrDtype::I8) compact_step_loop<7, GD, L2>(b, ed, g, n, c);
+    else compact_step_loop<15, GD, L2>(b, ed, g, n, c);
+  });
+}
 
 void step_sve(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
               LowpDtype ld, int64_t n, const Coeffs& c) {

@@ -6,7 +6,9 @@
 #include <atomic>
 #include <optional>
 #include <sstream>
+#include <cstring>
 #include <string>
+#include <tuple>
 
 #include "grace_adam.h"
 #include "thread_pool.h"
@@ -413,6 +415,167 @@ void lowp_copy_(const at::Tensor& dst, const at::Tensor& src) {
   });
 }
 
+// ---- the compact state ----------------------------------------------------------------------
+// The six buffers of host/compact.py: master_bf16 bf16 [n], master_err int8/int16 [n], exp_avg_q
+// int8 [n], exp_avg_scale bf16 [ceil(n/32)], exp_avg_sq_q uint8 [n], exp_avg_sq_scale bf16
+// [ceil(n/32)]. Work is split at multiples of kStepGrain (a multiple of the group size).
+static_assert(kStepGrain % kCompactGroup == 0, "chunks must start on group boundaries");
+
+void check_compact_buffer(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel,
+                          const char* numel_what) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "`", name, "` must be ", dtype_name(dtype), ", got ", describe(t),
+                   ". The compact state format is defined in superoffload_hf/host/compact.py.");
+  TORCH_CHECK_TYPE(t.device().is_cpu(), "`", name, "` must be a CPU tensor, got ", describe(t),
+                   ". The compact state lives in host memory.");
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), "`", name, "` must be a flat contiguous 1-D tensor, got ",
+                    describe(t), ". The kernel writes in place and never works on a hidden copy.");
+  TORCH_CHECK_VALUE(t.numel() == numel, "`", name, "` has ", t.numel(), " elements; expected ", numel, " (",
+                    numel_what, ").");
+}
+
+struct Compact {
+  CompactBuffers b;
+  ErrDtype ed;
+  int64_t n;
+};
+
+Compact check_compact(const at::Tensor& master_bf16, const at::Tensor& master_err, const at::Tensor& exp_avg_q,
+                      const at::Tensor& exp_avg_scale, const at::Tensor& exp_avg_sq_q,
+                      const at::Tensor& exp_avg_sq_scale,
+                      std::vector<std::pair<const char*, const at::Tensor*>>& named) {
+  const int64_t n = master_bf16.numel();
+  const int64_t groups = (n + kCompactGroup - 1) / kCompactGroup;
+  const std::string groups_what = "ceil(" + std::to_string(n) + " / " + std::to_string(kCompactGroup) +
+                                  "), one scale per group of `master_bf16`'s elements";
+  check_compact_buffer(master_bf16, "master_bf16", at::kBFloat16, n, "the length of `master_bf16`");
+  const auto err_type = master_err.scalar_type();
+  TORCH_CHECK_TYPE(err_type == at::kChar || err_type == at::kShort, "`master_err` must be torch.int8 (compact) or "
+                   "torch.int16 (compact32), got ", describe(master_err), ".");
+  check_compact_buffer(master_err, "master_err", err_type, n, "the length of `master_bf16`");
+  check_compact_buffer(exp_avg_q, "exp_avg_q", at::kChar, n, "the length of `master_bf16`");
+  check_compact_buffer(exp_avg_scale, "exp_avg_scale", at::kBFloat16, groups, groups_what.c_str());
+  check_compact_buffer(exp_avg_sq_q, "exp_avg_sq_q", at::kByte, n, "the length of `master_bf16`");
+  check_compact_buffer(exp_avg_sq_scale, "exp_avg_sq_scale", at::kBFloat16, groups, groups_what.c_str());
+  named.insert(named.begin(), {{"master_bf16", &master_bf16}, {"master_err", &master_err}, {"exp_avg_q", &exp_avg_q},
+                               {"exp_avg_scale", &exp_avg_scale}, {"exp_avg_sq_q", &exp_avg_sq_q},
+                               {"exp_avg_sq_scale", &exp_avg_sq_scale}});
+  CompactBuffers b{reinterpret_cast<uint16_t*>(master_bf16.data_ptr()), master_err.data_ptr(),
+                   static_cast<int8_t*>(exp_avg_q.data_ptr()), reinterpret_cast<uint16_t*>(exp_avg_scale.data_ptr()),
+                   static_cast<uint8_t*>(exp_avg_sq_q.data_ptr()),
+                   reinterpret_cast<uint16_t*>(exp_avg_sq_scale.data_ptr())};
+  return Compact{b, err_type == at::kChar ? ErrDtype::I8 : ErrDtype::I16, n};
+}
+
+void compact_step_(const at::Tensor& master_bf16, const at::Tensor& master_err, const at::Tensor& exp_avg_q,
+                   const at::Tensor& exp_avg_scale, const at::Tensor& exp_avg_sq_q, const at::Tensor& exp_avg_sq_scale,
+                   const at::Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, bool adamw, bool bias_correction, double grad_scale, int64_t isa) {
+  std::vector<std::pair<const char*, const at::Tensor*>> named = {{"grad", &grad}};
+  const Compact s = check_compact(master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                                  named);
+  const GradDtype gd = check_grad(grad, s.n);
+  check_no_overlap(named);
+  const Coeffs c = check_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+  const Isa chosen = check_isa(isa);
+  const void* g = grad.data_ptr();
+  pybind11::gil_scoped_release no_gil;
+  pool().parallel_for(s.n, kStepGrain, [&](int64_t begin, int64_t end) {
+    compact_step(chosen, compact_offset(s.b, s.ed, begin), s.ed, grad_offset(g, gd, begin), gd, end - begin, c);
+  });
+}
+
+// The segmented gradient (see above) for the compact step, in blocks of kGatherBlock elements: a
+// block inside one segment reads it in place; a block that spans segments (a group needs its 32
+// gradients together) first gathers its gradient into an fp32 scratch buffer on the stack (exact:
+// the conversion is the one the step would make).
+constexpr int64_t kGatherBlock = 2048;
+static_assert(kStepGrain % kGatherBlock == 0 && kGatherBlock % kCompactGroup == 0, "blocks start on groups");
+
+void compact_step_segments_(const at::Tensor& master_bf16, const at::Tensor& master_err, const at::Tensor& exp_avg_q,
+                            const at::Tensor& exp_avg_scale, const at::Tensor& exp_avg_sq_q,
+                            const at::Tensor& exp_avg_sq_scale, const std::vector<at::Tensor>& grads, int64_t step,
+                            double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                            bool bias_correction, double grad_scale, int64_t isa) {
+  std::vector<std::pair<const char*, const at::Tensor*>> named;
+  const Compact s = check_compact(master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                                  named);
+  check_no_overlap(named);
+  const std::vector<Segment> segments = check_segments(grads, s.n, named);
+  const Coeffs c = check_coeffs(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+  const Isa chosen = check_isa(isa);
+  pybind11::gil_scoped_release no_gil;
+  pool().parallel_for(s.n, kStepGrain, [&](int64_t chunk_begin, int64_t chunk_end) {
+    float scratch[kGatherBlock];
+    size_t k = 0;  // the first segment ending after `begin` (segments are consecutive, in order)
+    for (int64_t begin = chunk_begin; begin < chunk_end; begin += kGatherBlock) {
+      const int64_t end = std::min(chunk_end, begin + kGatherBlock);
+      while (k < segments.size() && segments[k].offset + segments[k].numel <= begin) ++k;
+      const CompactBuffers b = compact_offset(s.b, s.ed, begin);
+      if (k < segments.size() && segments[k].offset + segments[k].numel >= end) {
+        const Segment& seg = segments[k];
+        compact_step(chosen, b, s.ed, grad_offset(seg.g, seg.gd, begin - seg.offset), seg.gd, end - begin, c);
+        continue;
+      }
+      for (size_t j = k; j < segments.size() && segments[j].offset < end; ++j) {
+        const Segment& seg = segments[j];
+        const int64_t lo = std::max(begin, seg.offset), hi = std::min(end, seg.offset + seg.numel);
+        if (hi > lo) {
+          grad_copy(chosen, scratch + (lo - begin), grad_offset(seg.g, seg.gd, lo - seg.offset), seg.gd, hi - lo);
+        }
+      }
+      compact_step(chosen, b, s.ed, scratch, GradDtype::F32, end - begin, c);
+    }
+  });
+}
+
+void check_fp32_state(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, int64_t n,
+                      std::vector<std::pair<const char*, const at::Tensor*>>& named) {
+  check_state(param, "param", n);
+  check_state(exp_avg, "exp_avg", n);
+  check_state(exp_avg_sq, "exp_avg_sq", n);
+  named.insert(named.end(), {{"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
+}
+
+template <bool ENCODE>
+void compact_convert(const at::Tensor& master_bf16, const at::Tensor& master_err, const at::Tensor& exp_avg_q,
+                     const at::Tensor& exp_avg_scale, const at::Tensor& exp_avg_sq_q, const at::Tensor& exp_avg_sq_scale,
+                     const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
+  std::vector<std::pair<const char*, const at::Tensor*>> named;
+  const Compact s = check_compact(master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                                  named);
+  check_fp32_state(param, exp_avg, exp_avg_sq, s.n, named);
+  check_no_overlap(named);
+  float *p = param.data_ptr<float>(), *m = exp_avg.data_ptr<float>(), *v = exp_avg_sq.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  pool().parallel_for(s.n, kStepGrain, [&](int64_t begin, int64_t end) {
+    const CompactBuffers b = compact_offset(s.b, s.ed, begin);
+    if constexpr (ENCODE) compact_encode(b, s.ed, p + begin, m + begin, v + begin, end - begin);
+    else compact_decode(b, s.ed, p + begin, m + begin, v + begin, end - begin);
+  });
+}
+
+// dst = src bit for bit, on the pool (snapshots of speculated compact buckets).
+void bytes_copy_(const at::Tensor& dst, const at::Tensor& src) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"dst", &dst}, {"src", &src}}) {
+    TORCH_CHECK_TYPE(t->device().is_cpu(), "`", name, "` must be a CPU tensor, got ", describe(*t), ".");
+    TORCH_CHECK_VALUE(t->is_contiguous(), "`", name, "` must be contiguous, got ", describe(*t),
+                      ". The copy never works on a hidden copy: pass the contiguous buffer itself.");
+  }
+  TORCH_CHECK_TYPE(dst.scalar_type() == src.scalar_type(), "`dst` is ", describe(dst), ", `src` is ", describe(src),
+                   "; they must have the same dtype (a bytewise copy).");
+  TORCH_CHECK_VALUE(dst.numel() == src.numel(), "`dst` has ", dst.numel(), " elements, `src` has ", src.numel(),
+                    "; they must have the same number of elements.");
+  TORCH_CHECK_VALUE(!overlaps(dst, src), "`dst` and `src` share memory; copy into a separate buffer.");
+  char* out = static_cast<char*>(dst.data_ptr());
+  const char* in = static_cast<const char*>(src.data_ptr());
+  const int64_t nbytes = static_cast<int64_t>(src.nbytes());
+  constexpr int64_t kCopyGrain = 1 << 18;  // bytes
+  pybind11::gil_scoped_release no_gil;
+  pool().parallel_for(nbytes, kCopyGrain, [&](int64_t begin, int64_t end) {
+    std::memcpy(out + begin, in + begin, static_cast<size_t>(end - begin));
+  });
+}
+
 void set_num_threads(int64_t threads) {
   TORCH_CHECK_VALUE(threads >= 1 && threads <= 4096, "`threads` is ", threads, "; expected an integer in [1, 4096].");
   g_pool_size.store(static_cast<int>(threads));
@@ -457,6 +620,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("grad_accumulate_", &grad_accumulate_, "dst += float(src) (one fp32 add; src fp32, bf16 or fp16).",
              py::arg("dst"), py::arg("src"), py::arg("isa"));
   module.def("lowp_copy_", &lowp_copy_, "dst (bf16/fp16) = src (fp32) rounded to nearest even, in place.",
+             py::arg("dst"), py::arg("src"));
+  module.def("compact_step_", &compact_step_, "One Adam step on the compact state in place (host/compact.py).",
+             py::arg("master_bf16"), py::arg("master_err"), py::arg("exp_avg_q"), py::arg("exp_avg_scale"),
+             py::arg("exp_avg_sq_q"), py::arg("exp_avg_sq_scale"), py::arg("grad"), py::arg("step"), py::arg("lr"),
+             py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+             py::arg("bias_correction"), py::arg("grad_scale"), py::arg("isa"));
+  module.def("compact_step_segments_", &compact_step_segments_,
+             "compact_step_ with the gradient as consecutive segments (`grads`: a list of tensors).",
+             py::arg("master_bf16"), py::arg("master_err"), py::arg("exp_avg_q"), py::arg("exp_avg_scale"),
+             py::arg("exp_avg_sq_q"), py::arg("exp_avg_sq_scale"), py::arg("grads"), py::arg("step"), py::arg("lr"),
+             py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+             py::arg("bias_correction"), py::arg("grad_scale"), py::arg("isa"));
+  for (const auto& [name, fn, doc] :
+       {std::tuple<const char*, void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&),
+                   const char*>{"compact_encode_", &compact_convert<true>, "fp32 state -> the compact bytes, in place."},
+        {"compact_decode_", &compact_convert<false>, "The compact bytes -> fp32 state, in place."}}) {
+    module.def(name, fn, doc, py::arg("master_bf16"), py::arg("master_err"), py::arg("exp_avg_q"),
+               py::arg("exp_avg_scale"), py::arg("exp_avg_sq_q"), py::arg("exp_avg_sq_scale"), py::arg("param"),
+               py::arg("exp_avg"), py::arg("exp_avg_sq"));
+  }
+  module.def("bytes_copy_", &bytes_copy_, "dst = src bit for bit (same dtype and numel), on the pool.",
              py::arg("dst"), py::arg("src"));
   module.def("set_num_threads", &set_num_threads, "Resize this process's kernel thread pool.", py::arg("threads"));
   module.def("get_num_threads", &get_num_threads, "Size of this process's kernel thread pool.");

@@ -146,6 +146,15 @@ void grad_accumulate(Isa isa, float* dst, const void* src, GradDtype sd, int64_t
   }
 }
 
+void compact_step(Isa isa, const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n,
+                  const Coeffs& c) {
+  require_supported(isa);
+  switch (isa) {
+    GRACE_ADAM_CASES(compact_step, b, ed, g, gd, n, c)
+    default: return compact_step_scalar(b, ed, g, gd, n, c);
+  }
+}
+
 #undef GRACE_ADAM_CASES
 
 void lowp_copy(void* dst, LowpDtype ld, const float* src, int64_t n) {

@@ -17,6 +17,10 @@
 #include <cstring>
 #include <type_traits>
 
+// For the small vector helpers of the compact step: a call per vector (with its arguments
+// spilled) costs as much as the helper's work, and GCC does not always inline them on its own.
+#define GRACE_ADAM_INLINE inline __attribute__((always_inline))
+
 namespace grace_adam {
 
 enum class GradDtype : int { F32 = 0, BF16 = 1, F16 = 2 };
@@ -142,14 +146,21 @@ inline void store_lowp(void* out, LowpDtype ld, int64_t i, float p) {
 
 // ---- the per-element specification (vector paths do exactly this, lane by lane) -------------
 
-inline void step_one(float& p, float& m, float& v, float g_raw, const Coeffs& c) {
+// step_one, returning sqrt of the new v (the compact step stores it).
+inline float step_one_sqrt(float& p, float& m, float& v, float g_raw, const Coeffs& c) {
   float g = g_raw * c.grad_scale;
   if (c.l2 != 0.0f) g = std::fma(c.l2, p, g);
   m = std::fma(c.beta1, m, c.one_minus_beta1 * g);
   v = std::fma(c.beta2, v, (c.one_minus_beta2 * g) * g);
-  const float denom = std::fma(std::sqrt(v), c.inv_sqrt_bc2, c.eps);
+  const float s = std::sqrt(v);
+  const float denom = std::fma(s, c.inv_sqrt_bc2, c.eps);
   const float upd = m / denom;
   p = std::fma(-c.step_size, upd, p * c.decay);
+  return s;
+}
+
+inline void step_one(float& p, float& m, float& v, float g_raw, const Coeffs& c) {
+  step_one_sqrt(p, m, v, g_raw, c);
 }
 
 inline void rollback_one(float& p, float& m, float& v, float g_raw, const Coeffs& c) {
@@ -174,6 +185,126 @@ inline void rollback_one(float& p, float& m, float& v, float g_raw, const Coeffs
 inline void grad_copy_one(float& dst, float x) { dst = x; }
 inline void grad_accumulate_one(float& dst, float x) { dst = dst + x; }
 
+// ---- the compact state (superoffload_hf/host/compact.py defines the format) -----------------
+// Per element: master bf16 `hi` + err (int8, B = 7, or int16, B = 15) in units of
+// 2^(max(E,1) - 135 - B), E = hi's exponent field; exp_avg int8 and sqrt(exp_avg_sq) uint8 in
+// groups of kCompactGroup with one bf16 scale per group. A buffer passed in starts a group at its
+// element 0; a caller that splits work splits at multiples of kCompactGroup.
+
+constexpr int64_t kCompactGroup = 32;
+constexpr int kUnitBias = 135;  // unit exponent = max(E, 1) - kUnitBias - B
+enum class ErrDtype : int { I8 = 0, I16 = 1 };
+
+// The six compact buffers of one flat range; the scales hold one entry per group.
+struct CompactBuffers {
+  uint16_t* hi;       // master_bf16
+  void* err;          // master_err: int8_t or int16_t
+  int8_t* mq;         // exp_avg_q
+  uint16_t* ms;       // exp_avg_scale (bf16)
+  uint8_t* vq;        // exp_avg_sq_q
+  uint16_t* vs;       // exp_avg_sq_scale (bf16)
+};
+
+// The same buffers from element `begin` on (a multiple of kCompactGroup).
+inline CompactBuffers compact_offset(const CompactBuffers& b, ErrDtype ed, int64_t begin) {
+  const int64_t group = begin / kCompactGroup;
+  void* err = ed == ErrDtype::I8 ? static_cast<void*>(static_cast<int8_t*>(b.err) + begin)
+                                 : static_cast<void*>(static_cast<int16_t*>(b.err) + begin);
+  return CompactBuffers{b.hi + begin, err, b.mq + begin, b.ms + group, b.vq + begin, b.vs + group};
+}
+
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// 2^k for k in [-126, 127], exactly.
+inline float pow2f(int32_t k) { return f32_from_bits(static_cast<uint32_t>(k + 127) << 23); }
+
+template <int B>
+inline float master_decode_one(uint16_t hi, int32_t err) {
+  const int32_t biased = (hi >> 7) & 0xff;
+  const int32_t j = (biased > 1 ? biased : 1) - kUnitBias - B;  // [-149, 113]
+  const int32_t j1 = j > -126 ? j : -126;
+  // err * 2^j in two exact steps (2^j alone may be a denormal), then one exact addition.
+  return bf16_to_f32(hi) + (static_cast<float>(err) * pow2f(j1)) * pow2f(j - j1);
+}
+
+template <int B>
+inline void master_encode_one(float w, uint16_t& hi, int32_t& err) {
+  hi = f32_to_bf16_rne(w);
+  const int32_t biased = (hi >> 7) & 0xff;
+  if (biased == 0xff) {  // hi is inf or NaN: no remainder
+    err = 0;
+    return;
+  }
+  const float r = w - bf16_to_f32(hi);  // exact
+  const int32_t k = kUnitBias + B - (biased > 1 ? biased : 1);  // [-113, 149]
+  const int32_t k1 = k < 127 ? k : 127;
+  const float x = (r * pow2f(k1)) * pow2f(k - k1);  // r / unit, exact
+  const float q = std::nearbyint(x);  // round half to even (the default rounding mode)
+  const float lo = -static_cast<float>(1 << B), hi_q = static_cast<float>((1 << B) - 1);
+  err = static_cast<int32_t>(q < lo ? lo : (q > hi_q ? hi_q : q));
+}
+
+// bf16 round up (toward +inf) of a non-negative finite float: the least bf16 >= x.
+inline uint32_t bf16_round_up_bits(uint32_t bits) { return (bits >> 16) + ((bits & 0xffffu) != 0 ? 1u : 0u); }
+
+// One group's scale from the largest |x| compared as bits (compact.py): the bf16 bits stored, and
+// the fp32 reciprocal the quantisation multiplies by (0 for an all-zero or a non-finite group).
+struct GroupScale {
+  uint16_t bits;
+  float rcp;
+  bool finite;
+};
+
+inline GroupScale group_scale(uint32_t amax_bits, float levels, uint32_t floor_bits) {
+  if (amax_bits >= 0x7f800000u) return GroupScale{0x7fc0u, 0.0f, false};
+  if (amax_bits == 0) return GroupScale{0, 0.0f, true};
+  const float x = f32_from_bits(amax_bits) / levels;
+  uint32_t up = bf16_round_up_bits(f32_bits(x)) << 16;
+  if (up < floor_bits) up = floor_bits;
+  return GroupScale{static_cast<uint16_t>(up >> 16), 1.0f / f32_from_bits(up), true};
+}
+
+constexpr float kExpAvgLevels = 127.0f, kExpAvgSqLevels = 255.0f;
+constexpr uint32_t kExpAvgScaleFloorBits = 0x00800000u;    // 2^-126: 1/scale stays finite
+constexpr uint32_t kExpAvgSqScaleFloorBits = 0x1a800000u;  // 2^-74: a decoded nonzero v stays nonzero
+
+inline GroupScale exp_avg_scale(uint32_t amax_bits) { return group_scale(amax_bits, kExpAvgLevels, kExpAvgScaleFloorBits); }
+inline GroupScale exp_avg_sq_scale(uint32_t amax_bits) {
+  return group_scale(amax_bits, kExpAvgSqLevels, kExpAvgSqScaleFloorBits);
+}
+
+// q of one element of a finite group (|x| <= the group's amax, so |q| <= levels without a clamp).
+inline int32_t quantise_exp_avg(float m, float rcp) { return static_cast<int32_t>(std::nearbyint(m * rcp)); }
+inline int32_t quantise_sqrt_v(float s, float rcp) {
+  const int32_t q = static_cast<int32_t>(std::nearbyint(s * rcp));
+  return q < 1 && s > 0.0f ? 1 : q;  // a nonzero v never encodes to 0
+}
+
+inline float decode_exp_avg(int8_t q, float scale) { return static_cast<float>(q) * scale; }
+inline float decode_exp_avg_sq(uint8_t q, float scale) {
+  const float t = static_cast<float>(q) * scale;
+  return t * t;
+}
+
+// |x| as bits: compared as integers, NaN and inf sort above every finite value.
+inline uint32_t abs_bits(float x) { return f32_bits(x) & 0x7fffffffu; }
+
+// The moments of one group (len <= kCompactGroup elements at element 0 of b) from the new m and
+// s = sqrt(v) and their largest |x| as bits: its two scales and 2*len q (adam_scalar.cpp; a vector
+// path may quantise itself, bitwise alike).
+void store_compact_moments(const CompactBuffers& b, const float* m, const float* s, int64_t len, uint32_t m_amax,
+                           uint32_t s_amax);
+
 // ---- entry points per ISA: each processes elements [0, n) -----------------------------------
 // p, m, v: fp32 state, updated in place. g: fp32, bf16 or fp16 gradient (read only).
 // lowp: nullptr, or n bf16/fp16 outputs (the updated p, rounded to nearest even).
@@ -186,7 +317,9 @@ inline void grad_accumulate_one(float& dst, float x) { dst = dst + x; }
                          LowpDtype ld, int64_t n, const Coeffs& c);                               \
   double sum_squares_##suffix(const void* g, GradDtype gd, int64_t n);                             \
   void grad_copy_##suffix(float* dst, const void* src, GradDtype sd, int64_t n);                  \
-  void grad_accumulate_##suffix(float* dst, const void* src, GradDtype sd, int64_t n);
+  void grad_accumulate_##suffix(float* dst, const void* src, GradDtype sd, int64_t n);             \
+  void compact_step_##suffix(const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd,   \
+                             int64_t n, const Coeffs& c);
 
 GRACE_ADAM_DECLARE_ISA(scalar)
 #if defined(__x86_64__) || defined(_M_X64)
@@ -213,6 +346,15 @@ void grad_accumulate(Isa isa, float* dst, const void* src, GradDtype sd, int64_t
 // dst[i] = the bf16 / fp16 rounding of src[i] (nearest even, store_lowp: the step's param_lowp),
 // for i in [0, n); one portable loop for every ISA (a memory-bound cast the compiler vectorizes).
 void lowp_copy(void* dst, LowpDtype ld, const float* src, int64_t n);
+// The compact step (decode, the update of step_one, encode; one pass) on elements [0, n) of b, the
+// gradient read as it landed. Vector paths hand a partial last group to the scalar path.
+void compact_step(Isa isa, const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n,
+                  const Coeffs& c);
+// fp32 state <-> compact bytes, elements [0, n): one portable loop for every ISA (conversions at
+// load, save and precision changes, not in the training step).
+void compact_encode(const CompactBuffers& b, ErrDtype ed, const float* p, const float* m, const float* v,
+                    int64_t n);
+void compact_decode(const CompactBuffers& b, ErrDtype ed, float* p, float* m, float* v, int64_t n);
 
 // sum_squares is computed in fixed blocks of this many elements, each summed in float64 and
 // the block sums added in order, so the result does not depend on how blocks are spread over

@@ -1,7 +1,8 @@
 // GraceAdam self-test: every ISA path this CPU runs, called directly (step_neon, ...) and through
 // the dispatcher, checked against a float64 loop of the same math and bitwise against the scalar
 // path; the gradient conversions (grad_copy / grad_accumulate of fp32, bf16 and fp16 sources)
-// against an independent decoding of every 16-bit pattern, bitwise. Torch-free; run_selftest.sh
+// against an independent decoding of every 16-bit pattern, bitwise; the compact-state step
+// (host/compact.py) bitwise against the scalar path, and the format's properties. Torch-free; run_selftest.sh
 // builds it natively and for aarch64 under qemu.
 //
 //   selftest [--expect-isas=scalar,neon,sve] [--quick] [--seed=N] [--inject-fault]
@@ -229,12 +230,16 @@ using UpdateFn = std::function<void(float*, float*, float*, const void*, GradDty
 using SumFn = std::function<double(const void*, GradDtype, int64_t)>;
 using GradFn = std::function<void(float*, const void*, GradDtype, int64_t)>;
 
+using CompactFn = std::function<void(const ga::CompactBuffers&, ga::ErrDtype, const void*, GradDtype, int64_t,
+                                     const Coeffs&)>;
+
 struct Path {
   std::string name;
   UpdateFn step, rollback;
   SumFn sum_squares;
   GradFn grad_copy, grad_accumulate;
   bool via_dispatch = false;
+  CompactFn compact_step;
 };
 
 // --quick (under emulation): dispatch(...) paths call the very functions the direct paths test,
@@ -248,8 +253,9 @@ std::vector<Path> paths_for_large_sizes(const std::vector<Path>& paths, bool qui
 
 Path direct_path(const char* name, decltype(&ga::step_scalar) step, decltype(&ga::rollback_scalar) rollback,
                  decltype(&ga::sum_squares_scalar) sum, decltype(&ga::grad_copy_scalar) copy,
-                 decltype(&ga::grad_accumulate_scalar) accumulate) {
-  return Path{name, step, rollback, sum, copy, accumulate};
+                 decltype(&ga::grad_accumulate_scalar) accumulate,
+                 decltype(&ga::compact_step_scalar) compact = ga::compact_step_scalar) {
+  return Path{name, step, rollback, sum, copy, accumulate, false, compact};
 }
 
 Path dispatch_path(Isa isa) {
@@ -261,7 +267,9 @@ Path dispatch_path(Isa isa) {
               [isa](const void* g, GradDtype gd, int64_t n) { return ga::sum_squares(isa, g, gd, n); },
               [isa](float* dst, const void* src, GradDtype sd, int64_t n) { ga::grad_copy(isa, dst, src, sd, n); },
               [isa](float* dst, const void* src, GradDtype sd, int64_t n) { ga::grad_accumulate(isa, dst, src, sd, n); },
-              true};
+              true,
+              [isa](const ga::CompactBuffers& b, ga::ErrDtype ed, const void* g, GradDtype gd, int64_t n,
+                    const Coeffs& c) { ga::compact_step(isa, b, ed, g, gd, n, c); }};
 }
 
 std::vector<Isa> isas_built() {
@@ -278,15 +286,15 @@ Path direct_path_for(Isa isa) {
   switch (isa) {
 #if defined(__x86_64__) || defined(_M_X64)
     case Isa::AVX2: return direct_path("avx2", ga::step_avx2, ga::rollback_avx2, ga::sum_squares_avx2, ga::grad_copy_avx2,
-                                   ga::grad_accumulate_avx2);
+                                   ga::grad_accumulate_avx2, ga::compact_step_avx2);
     case Isa::AVX512: return direct_path("avx512", ga::step_avx512, ga::rollback_avx512, ga::sum_squares_avx512, ga::grad_copy_avx512,
-                                   ga::grad_accumulate_avx512);
+                                   ga::grad_accumulate_avx512, ga::compact_step_avx512);
 #endif
 #if defined(__aarch64__)
     case Isa::NEON: return direct_path("neon", ga::step_neon, ga::rollback_neon, ga::sum_squares_neon, ga::grad_copy_neon,
-                                   ga::grad_accumulate_neon);
+                                   ga::grad_accumulate_neon, ga::compact_step_neon);
     case Isa::SVE: return direct_path("sve", ga::step_sve, ga::rollback_sve, ga::sum_squares_sve, ga::grad_copy_sve,
-                                   ga::grad_accumulate_sve);
+                                   ga::grad_accumulate_sve, ga::compact_step_sve);
 #endif
     default: return direct_path("scalar", ga::step_scalar, ga::rollback_scalar, ga::sum_squares_scalar, ga::grad_copy_scalar,
                                    ga::grad_accumulate_scalar);
@@ -775,6 +783,110 @@ void run_grad_cases(const std::vector<Path>& paths, bool quick) {
     }
 }
 
+// ---- the compact state (superoffload_hf/host/compact.py) ----------------------------------------
+// Every path's compact step bitwise against the scalar one (all six buffers, guards untouched),
+// on states made by compact_encode from random fp32 values (zero groups, denormals, a few
+// non-finite gradients); and the format's own properties on the scalar path's output.
+
+struct CompactState {
+  Guarded<uint16_t> hi, ms, vs;
+  Guarded<uint8_t> err;  // int8 or int16 bytes
+  Guarded<int8_t> mq;
+  Guarded<uint8_t> vq;
+  ga::ErrDtype ed;
+  int64_t n;
+  ga::CompactBuffers buffers() {
+    return ga::CompactBuffers{hi.data(), err.data(), mq.data(), ms.data(), vq.data(), vs.data()};
+  }
+  bool guards_intact() const {
+    return hi.guards_intact() && ms.guards_intact() && vs.guards_intact() && err.guards_intact() &&
+           mq.guards_intact() && vq.guards_intact();
+  }
+  bool operator==(const CompactState& o) const {
+    auto same = [](const auto& a, const auto& b) { return a.store == b.store; };
+    return same(hi, o.hi) && same(ms, o.ms) && same(vs, o.vs) && same(err, o.err) && same(mq, o.mq) && same(vq, o.vq);
+  }
+};
+
+CompactState random_compact_state(int64_t n, ga::ErrDtype ed, uint64_t seed) {
+  const int64_t groups = (n + ga::kCompactGroup - 1) / ga::kCompactGroup;
+  const int64_t err_size = ed == ga::ErrDtype::I8 ? 1 : 2;
+  CompactState s{Guarded<uint16_t>(n, 0, kSentinelU16), Guarded<uint16_t>(groups, 0, kSentinelU16),
+                 Guarded<uint16_t>(groups, 0, kSentinelU16), Guarded<uint8_t>(n * err_size, 0, 0xa5u),
+                 Guarded<int8_t>(n, 0, static_cast<int8_t>(0xa5)), Guarded<uint8_t>(n, 0, 0xa5u), ed, n};
+  Rng rng(seed);
+  std::vector<float> p(static_cast<size_t>(n)), m(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t group = i / ga::kCompactGroup;
+    const bool zero_group = group % 5 == 3, denormal_group = group % 7 == 5;
+    p[i] = denormal_group ? float_of(static_cast<uint32_t>(rng.next() % 5000) | (rng.next() & 0x80000000u))
+                          : rng.log_uniform(-20, 4, true, 0.01);
+    m[i] = zero_group ? 0.0f : (denormal_group ? float_of(static_cast<uint32_t>(rng.next() % 64)) : rng.log_uniform(-30, -2, true, 0.05));
+    v[i] = zero_group ? 0.0f : (denormal_group ? float_of(static_cast<uint32_t>(rng.next() % 64)) : rng.log_uniform(-60, -4, false, 0.05));
+  }
+  ga::compact_encode(s.buffers(), ed, p.data(), m.data(), v.data(), n);
+  return s;
+}
+
+double master_decode_f64(uint16_t hi, int32_t err, int b) {
+  const int biased = (hi >> 7) & 0xff;
+  return static_cast<double>(ga::bf16_to_f32(hi)) + std::ldexp(static_cast<double>(err), std::max(biased, 1) - ga::kUnitBias - b);
+}
+
+// The format's properties on one compact state: master decode exact in fp32, all-zero groups
+// decode to 0, a nonzero stored sqrt(v) decodes to a nonzero v, a NaN scale only with zero q.
+bool compact_properties_hold(CompactState& s, std::string& what) {
+  const int b = s.ed == ga::ErrDtype::I8 ? 7 : 15;
+  std::vector<float> p(static_cast<size_t>(s.n)), m(static_cast<size_t>(s.n)), v(static_cast<size_t>(s.n));
+  ga::compact_decode(s.buffers(), s.ed, p.data(), m.data(), v.data(), s.n);
+  for (int64_t i = 0; i < s.n; ++i) {
+    const int32_t err = s.ed == ga::ErrDtype::I8 ? reinterpret_cast<const int8_t*>(s.err.data())[i]
+                                                 : reinterpret_cast<const int16_t*>(s.err.data())[i];
+    const double exact = master_decode_f64(s.hi[i], err, b);
+    if (!std::isnan(exact) && static_cast<double>(p[i]) != exact) return what = fmt("element %lld: master decode %a != exact %a", static_cast<long long>(i), p[i], exact), false;
+    const int64_t group = i / ga::kCompactGroup;
+    if (s.ms[group] == 0 && m[i] != 0.0f) return what = fmt("element %lld: zero scale decodes m %a", static_cast<long long>(i), m[i]), false;
+    if (s.vq[i] > 0 && !(v[i] > 0.0f) && !std::isnan(v[i])) return what = fmt("element %lld: q %d decodes v %a", static_cast<long long>(i), s.vq[i], v[i]), false;
+    if ((s.ms[group] & 0x7fffu) > 0x7f80u && s.mq[i] != 0) return what = fmt("element %lld: NaN scale with q %d", static_cast<long long>(i), s.mq[i]), false;
+  }
+  return true;
+}
+
+void run_compact_case(const std::vector<Path>& paths, int64_t n, ga::ErrDtype ed, const Hyper& h, uint64_t seed) {
+  const CompactState before = random_compact_state(n, ed, seed);
+  Grad g = random_grad(h.gd, n, 0, seed + 7, -40, 2);
+  if (n > 50 && seed % 4 == 0) set_grad(g, n / 3, seed % 8 == 0 ? NAN : INFINITY);  // a non-finite gradient
+  const Coeffs c = ga::make_coeffs(h.first_step, 1e-3, 0.9, 0.999, 1e-8, h.weight_decay, h.adamw, h.bias_correction,
+                                   h.grad_scale);
+  CompactState want = before;
+  ga::compact_step_scalar(want.buffers(), ed, g.ptr(), g.gd, n, c);
+  const std::string tag = fmt("compact n=%lld err=int%d %s", static_cast<long long>(n), ed == ga::ErrDtype::I8 ? 8 : 16,
+                              h.describe().c_str());
+  std::string what;
+  record("scalar", "compact format properties", compact_properties_hold(want, what), what + " " + tag);
+  for (const Path& path : paths) {
+    CompactState got = before;
+    path.compact_step(got.buffers(), ed, g.ptr(), g.gd, n, c);
+    record(path.name, "compact guards untouched", got.guards_intact(), tag);
+    record(path.name, "compact bitwise == scalar", got == want, tag);
+  }
+}
+
+void run_compact_cases(const std::vector<Path>& paths, bool quick) {
+  const std::vector<Hyper> hypers = all_hypers();
+  std::vector<int64_t> sizes = small_sizes();
+  sizes.insert(sizes.end(), {95, 96, 97, 1000, quick ? int64_t(4099) : int64_t(100003)});
+  const std::vector<Path> large_paths = paths_for_large_sizes(paths, quick);
+  uint64_t seed = 5000;
+  for (size_t si = 0; si < sizes.size(); ++si)
+    for (size_t k = 0; k < hypers.size(); ++k, ++seed) {
+      if (hypers[k].ld != LowpDtype::NONE) continue;  // the compact step has no separate lowp output
+      if ((quick || sizes[si] > 1000) && k % 2 != si % 2) continue;
+      for (ga::ErrDtype ed : {ga::ErrDtype::I8, ga::ErrDtype::I16})
+        run_compact_case(sizes[si] > 1000 ? large_paths : paths, sizes[si], ed, hypers[k], seed);
+    }
+}
+
 // ---- dispatch ---------------------------------------------------------------------------------
 
 void check_dispatch(const std::vector<Isa>& all) {
@@ -830,9 +942,9 @@ std::vector<Isa> parse_isa_list(const std::string& list) {
   return out;
 }
 
-// --inject-fault: the scalar path with four planted bugs (the last param off by one ulp after a
+// --inject-fault: the scalar path with five planted bugs (the last param off by one ulp after a
 // step, a write past the end after a rollback, a sum of squares one ulp high, an accumulated
-// gradient one ulp high in the middle), to show that
+// gradient one ulp high in the middle, one wrong exp_avg_q byte after a compact step), to show that
 // the checks catch them and the run exits non-zero.
 Path faulty_path() {
   Path p = direct_path("faulty(scalar)", ga::step_scalar, ga::rollback_scalar, ga::sum_squares_scalar,
@@ -853,6 +965,11 @@ Path faulty_path() {
   p.grad_accumulate = [](float* dst, const void* src, GradDtype sd, int64_t n) {
     ga::grad_accumulate_scalar(dst, src, sd, n);
     if (n > 1) dst[n / 2] = std::nextafter(dst[n / 2], INFINITY);
+  };
+  p.compact_step = [](const ga::CompactBuffers& b, ga::ErrDtype ed, const void* g, GradDtype gd, int64_t n,
+                      const Coeffs& c) {
+    ga::compact_step_scalar(b, ed, g, gd, n, c);
+    if (n > 40) b.mq[40] = static_cast<int8_t>(b.mq[40] ^ 1);
   };
   return p;
 }
@@ -936,6 +1053,7 @@ int main(int argc, char** argv) {
   timed("sum_squares", timings, [&] { run_sum_squares_cases(paths); });
   timed("sum_squares inf/NaN", timings, [&] { run_sum_nonfinite_cases(paths); });
   timed("grad copy/accumulate", timings, [&] { run_grad_cases(paths, quick); });
+  timed("compact step", timings, [&] { run_compact_cases(paths, quick); });
   print_summary(paths);
   std::printf("seconds per section (informational):%s\n", timings.c_str());
   std::printf("GraceAdam selftest (%s): %d passed, %d failed\n", names.c_str(), g_passed, g_failed);

@@ -9,6 +9,12 @@ between steps), then moves one kind at a time (allocate the new plan's buffers o
 copy, free the old, return the freed page-locked blocks to the system), so the host never holds
 more than the state plus one kind's arena.
 
+Compact host state (memory.py, host/compact.py): host buckets hold six compact kinds instead of
+the fp32 master and moments, encoded from the parameters at install by the host Adam back end
+(`codec`); every new compact arena is zeroed first (the padding between slots stays zero). A
+re-plan moves a parameter's bytes unchanged, except where it moves between a compact host bucket
+and an fp32 device-resident one: then its state is converted (engine/precision.py).
+
 When the device is this host's memory (the CPU runtime) and the device dtype is fp32, a host
 bucket's parameters are views into its fp32 master buffer (`alias_params`): a host step updates
 them in place, nothing is copied back, and there is no second copy of the weights. With one
@@ -18,23 +24,27 @@ micro-batch per step there is no gradient buffer either (BufferPolicy.grad_on_de
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
+from superoffload_hf.engine import precision
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime
-from superoffload_hf.engine.memory import STATE_KINDS, BufferPolicy, HostArena, Ledger, spare_landing_numel
+from superoffload_hf.engine.memory import (COMPACT_KINDS, STATE_KINDS, BufferPolicy, HostArena, Ledger,
+                                          spare_landing_numel)
 from superoffload_hf.engine.plan import BucketPlan, ParamSlot
 
 logger = logging.getLogger("superoffload_hf")
 FP32 = torch.float32
 SCRATCH_KINDS = ("grad", "recv")  # host kinds that hold nothing between steps
+DEVICE_KINDS = STATE_KINDS + ("grad",)  # a device-resident bucket's buffers (fp32)
 
 
 class BucketSet:
-    def __init__(self, params: list[torch.Tensor], policy: BufferPolicy, runtime, shard_of=None):
+    def __init__(self, params: list[torch.Tensor], policy: BufferPolicy, runtime, shard_of=None, codec=None):
         self.params = params
+        self.codec = codec  # the host Adam back end: compact_encode_ / compact_decode (compact state)
         self.index_of = {p: i for i, p in enumerate(params)}
         self.policy, self.runtime = policy, runtime
         self.shard_of = shard_of  # data parallel (engine/dp.py): bucket -> this rank's Shard
@@ -70,9 +80,24 @@ class BucketSet:
                     flat.copy_(bb.master)
                 else:
                     flat.zero_()
+        if self.policy.compact:
+            self._encode_masters(plan, bufs)
         self._set_runtimes(plan, bufs)
         self._reserve_spare_landing(plan)
         self._log_pinning(self.ledger.pin_seconds - pin_seconds)
+
+    def _encode_masters(self, plan: BucketPlan, bufs: list[BucketBuffers]) -> None:
+        """Compact host buckets: the parameters' values (fp32, or as the model holds them) encoded
+        with zero moments, one back-end call per bucket (the padding encodes zeros)."""
+        for b, bb in zip(plan.buckets, bufs):
+            if b.device_resident:
+                continue
+            master = torch.zeros(bb.numel, dtype=FP32)
+            for dst, src in self._master_sources(b, master):
+                dst.copy_(src)
+            exp_avg, exp_avg_sq = torch.zeros(bb.numel, dtype=FP32), torch.zeros(bb.numel, dtype=FP32)  # (distinct:
+            # the kernel refuses aliased outputs)
+            self.codec.compact_encode_(*(getattr(bb, kind) for kind in COMPACT_KINDS), master, exp_avg, exp_avg_sq)
 
     def _log_pinning(self, seconds: float) -> None:
         pinned = self.ledger.bytes("pinned")
@@ -105,6 +130,11 @@ class BucketSet:
             raise NotImplementedError("Re-planning sharded state (data parallelism) is not supported.")
         old = {s.index: (rt.bufs, s) for rt in self.runtimes for s in rt.bucket.slots}
         old_bufs = [rt.bufs for rt in self.runtimes]
+        # compact state: a parameter moving between a compact host bucket and an fp32 device one
+        # is converted (a copy of its state, held until the new buffers exist; a few buckets' worth)
+        residency = {s.index: b.device_resident for b in plan.buckets for s in b.slots}
+        converted = {i: {k: v.clone() for k, v in self.export_param(i).items()} for i, (bb, _) in old.items()
+                     if self.policy.compact and bb.on_host == residency[i]}
         for rt in self.runtimes:
             rt.bufs.drop_transients()
             rt.grad_in = None  # a view of the old grad / recv arena
@@ -123,10 +153,15 @@ class BucketSet:
                 flat = getattr(bb, kind)
                 if flat is None:
                     continue
-                if kind in STATE_KINDS:
+                if self.policy.compact:
+                    flat.zero_()  # the padding between slots (and what a converted slot gets next)
+                if kind in STATE_KINDS or kind in COMPACT_KINDS:
                     for slot in b.slots:
                         theirs, their_slot = old[slot.index]
-                        BucketBuffers.view(flat, slot).copy_(BucketBuffers.view(getattr(theirs, kind), their_slot))
+                        if slot.index in converted:
+                            continue  # another precision there: converted below
+                        BucketBuffers.kind_view(kind, flat, slot).copy_(
+                            BucketBuffers.kind_view(kind, getattr(theirs, kind), their_slot))
                 elif kind == "lowp":
                     flat.copy_(bb.master)
                 else:
@@ -134,7 +169,9 @@ class BucketSet:
             if kind not in SCRATCH_KINDS:
                 self._free_old(kind, old_bufs)
         self._set_runtimes(plan, bufs)
-        del old, old_bufs
+        for index, values in converted.items():
+            self.import_param(index, values)
+        del old, old_bufs, converted
         self.runtime.host_empty_cache()  # what the old buckets' runtimes still held
         self._reserve_spare_landing(plan)
 
@@ -176,21 +213,25 @@ class BucketSet:
         self.spare_landing, self._spare_owner = None, None
 
     def _kinds(self) -> tuple[str, ...]:
-        # master before lowp (lowp is filled from it); grad last (it holds nothing between steps)
-        return tuple(k for k in ("master", "lowp", "exp_avg", "exp_avg_sq", "grad", "recv")
-                     if k in self.policy.host_kinds() or k not in ("lowp", "recv"))
+        # master before lowp (lowp is filled from it); grad last (it holds nothing between steps);
+        # under compact state the fp32 kinds are the device-resident buckets' only
+        compact = COMPACT_KINDS if self.policy.compact else ()
+        return tuple(k for k in ("master", "lowp", "exp_avg", "exp_avg_sq", *compact, "grad", "recv")
+                     if k in self.policy.host_kinds() or k in DEVICE_KINDS)
 
     def _new_buffers(self, plan: BucketPlan) -> list[BucketBuffers]:
-        return [BucketBuffers(self._numel(b), not b.device_resident, self._transient_alloc(self._numel(b)))
+        host_kinds = self.policy.state_kinds
+        return [BucketBuffers(self._numel(b), not b.device_resident, self._transient_alloc(self._numel(b)),
+                              STATE_KINDS if b.device_resident else host_kinds)
                 for b in plan.buckets]
 
     def _transient_alloc(self, numel: int):
         # closes over the ledger, not `self`: the buffers it serves belong to `self` (no cycle)
         ledger, runtime, pin = self.ledger, self.runtime, self.policy.pin
 
-        def alloc(kind: str, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        def alloc(kind: str, dtype: torch.dtype, pinned: bool, n: Optional[int] = None) -> torch.Tensor:
             place = "pinned" if pinned and pin else "host"
-            return ledger.allocate(runtime, kind, place, numel, dtype)
+            return ledger.allocate(runtime, kind, place, numel if n is None else n, dtype)
         return alloc
 
     def _allocate_kind(self, plan: BucketPlan, bufs: list[BucketBuffers], kind: str) -> None:
@@ -200,12 +241,12 @@ class BucketSet:
         kinds = self.policy.host_kinds()
         if kind in kinds and host:
             dtype, pinned = kinds[kind]
-            arena = HostArena(kind, [self._numel(plan.buckets[k]) for k in host], dtype, pinned,
-                              self.policy.rounds_pinned, self.runtime, self.ledger)
+            arena = HostArena(kind, [self.policy.kind_numel(kind, self._numel(plan.buckets[k])) for k in host],
+                              dtype, pinned, self.policy.rounds_pinned, self.runtime, self.ledger)
             self.arenas[kind] = arena
             for j, k in enumerate(host):
                 setattr(bufs[k], kind, arena.view(j))
-        if kind not in ("lowp", "recv"):  # device-resident buckets neither cast nor land copies
+        if kind in DEVICE_KINDS:  # device-resident buckets neither cast nor land copies; fp32 state
             for k, b in enumerate(plan.buckets):
                 if b.device_resident:
                     setattr(bufs[k], kind, self.ledger.allocate(self.runtime, kind, "device", b.numel, FP32))
@@ -263,14 +304,25 @@ class BucketSet:
         return rt, rt.bucket.slots[k]
 
     def export_param(self, index: int) -> dict[str, torch.Tensor]:
-        """master / exp_avg / exp_avg_sq shaped like the parameter, CPU fp32: views of the live
-        host buffers (see BucketBuffers.export_param)."""
+        """The parameter's state as its bucket holds it: fp32 master / exp_avg / exp_avg_sq shaped
+        like the parameter, or the six compact kinds; views of the live host buffers (see
+        BucketBuffers.export_param)."""
         rt, slot = self.slot_of(index)
         return rt.bufs.export_param(slot)
 
-    def import_param(self, index: int, values: dict[str, torch.Tensor]) -> None:
+    def precision_of(self, index: int) -> str:
+        """The state precision of the bucket holding parameter `index` (device-resident: fp32)."""
+        rt, _ = self.slot_of(index)
+        return self.policy.state_precision if rt.bufs.compact else "fp32"
+
+    def import_param(self, index: int, values: dict[str, torch.Tensor]) -> bool:
+        """Copy a parameter's state in, converting it when it is another precision than its
+        bucket's (engine/precision.py); returns whether it converted."""
         rt, slot = self.slot_of(index)
-        rt.bufs.import_param(slot, values)
+        target = self.precision_of(index)
+        converted = precision.precision_of(values) != target
+        rt.bufs.import_param(slot, precision.convert(values, target, self.codec) if converted else values)
+        return converted
 
     def refresh_device_params(self) -> None:
         """Copy every master weight to its device parameter (after loading state; the caller
@@ -279,8 +331,9 @@ class BucketSet:
             for rt in self.runtimes:
                 if rt.params_alias_master:
                     continue  # the parameters are the masters
+                weights = rt.bufs.master_bf16 if rt.bufs.compact else rt.bufs.master  # compact: as it is
                 for p, slot in zip(rt.params, rt.bucket.slots):
-                    p.detach().copy_(BucketBuffers.view(rt.bufs.master, slot).view(slot.shape))
+                    p.detach().copy_(BucketBuffers.view(weights, slot).view(slot.shape))
 
 
 def _param_over(master, slot: ParamSlot) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
     {"state": {i: {"step": int, "exp_avg": T, "exp_avg_sq": T, "master_param": T}},
      "param_groups": [{..hyperparameters.., "params": [i, ...]}],
-     "superoffload": {"format_version": 1, "loss_scale": {..}, "speculation": {..},
+     "superoffload": {"format_version": 1, "state_precision": "fp32" | "compact" | "compact32",
+                      "loss_scale": {..}, "speculation": {..},
                       "counters": {..}, "plan": None | {"ready_order", "deferred", "device_buckets"},
                       "checksums": {i: {"exp_avg": crc32, "exp_avg_sq": crc32, "master_param": crc32}}}}
 
@@ -20,6 +21,15 @@ device-bucket count; `torch.load(weights_only=True)` reads it, with any `map_loc
 Loading copies everything back into the engine's fp32 buffers (host or device) and refreshes the
 device parameters from the masters.
 
+Compact state (`state_precision` "compact" / "compact32"): a parameter of a compact host bucket
+is stored as its bytes, {"step", "master_bf16", "master_err", "exp_avg_q", "exp_avg_scale",
+"exp_avg_sq_q", "exp_avg_sq_scale"} (flat; the scales one per group of 32 of the parameter's
+elements: every parameter starts a group, so the entry is the same bytes under any plan), about
+5-6 bytes per parameter in the file; a device-resident bucket's parameters keep fp32 entries.
+Loading converts an entry of the other precision (fp32 <-> compact, either way, engine/precision.py)
+with one notice in the log; within one precision the bytes are copied as they are, so a resumed
+run continues bit-identically.
+
 Checksums: the CRC-32 of every state tensor's fp32 bytes is stored with the state and checked on
 load, before anything changes, so a file damaged on disk (finite garbage in a moment resumes
 "successfully" otherwise, and trains to a different loss) is refused with the parameter and key
@@ -28,15 +38,23 @@ it hit. A state dict without checksums (older versions, torch.optim) loads unche
 
 from __future__ import annotations
 
+import logging
 import zlib
 from typing import Any, Mapping
 
 import torch
 
+from superoffload_hf.engine.memory import COMPACT_KINDS
+from superoffload_hf.host.compact import scale_numel
+
 from superoffload_hf.errors import CorruptStateError  # noqa: F401 (raised here, caught by the CLI)
 
 FORMAT_VERSION = 1
 MOMENT_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master_param": "master"}
+COMPACT_KEYS = COMPACT_KINDS  # a compact entry's keys are its buffer kinds
+MASTER_KINDS = ("master", "master_bf16", "master_err")  # kept when an entry has no state
+
+logger = logging.getLogger("superoffload_hf")
 
 
 
@@ -57,13 +75,15 @@ def state_dict(engine, groups: list[dict]) -> dict:
         if step == 0:
             continue  # as torch.optim: no state before a parameter's first step
         values = engine.export_param(index)
-        state[index] = {"step": int(step), **{key: values[name] for key, name in MOMENT_KEYS.items()}}
-        checksums[index] = {key: tensor_crc32(values[name]) for key, name in MOMENT_KEYS.items()}
+        keys = _entry_keys(values)
+        state[index] = {"step": int(step), **{key: values[name] for key, name in keys.items()}}
+        checksums[index] = {key: tensor_crc32(values[name]) for key, name in keys.items()}
     return {
         "state": dict(sorted(state.items())),
         "param_groups": _groups_with_indices(groups),
         "superoffload": {
             "format_version": FORMAT_VERSION,
+            "state_precision": engine.config.state_precision,
             "loss_scale": engine.loss_scale.state_dict(),
             "speculation": engine.policy.state_dict(),
             "counters": engine.counters.as_dict(),
@@ -71,6 +91,11 @@ def state_dict(engine, groups: list[dict]) -> dict:
             "checksums": dict(sorted(checksums.items())),
         },
     }
+
+
+def _entry_keys(values: Mapping[str, Any]) -> dict[str, str]:
+    """Entry key -> buffer kind: the fp32 names torch.optim uses, or the compact kinds as they are."""
+    return {key: key for key in COMPACT_KEYS} if "master_bf16" in values else MOMENT_KEYS
 
 
 def _extras(engine) -> dict:
@@ -106,8 +131,14 @@ def load_state_dict(engine, groups: list[dict], sd: Any) -> None:
     extra = sd.get("superoffload") or {}
     if extra.get("plan"):
         engine.adopt_learned(extra["plan"])
+    converted: dict[tuple[str, str], int] = {}
     for index in range(len(engine.params)):
-        _load_param(engine, index, saved_state.get(index, {}))
+        change = _load_param(engine, index, saved_state.get(index, {}))
+        if change is not None:
+            converted[change] = converted.get(change, 0) + 1
+    for (saved, ours), count in sorted(converted.items()):
+        logger.warning("SuperOffload: converted the saved optimizer state of %d parameter%s from %s to %s "
+                       "(this optimizer's state precision there)", count, "" if count == 1 else "s", saved, ours)
     _load_extras(engine, groups, sd["param_groups"], extra)
     engine.refresh_device_params()
 
@@ -123,17 +154,39 @@ def _load_extras(engine, groups: list[dict], saved_groups: list, extra: Mapping[
         engine.counters.load_dict(extra["counters"])
 
 
-def _load_param(engine, index: int, entry: Mapping[str, Any]) -> None:
+def _load_param(engine, index: int, entry: Mapping[str, Any]):
     """An empty entry (no state saved: never stepped) resets the moments and the step count
-    and keeps the current master weights; a torch.optim entry has no master either."""
+    and keeps the current master weights; a torch.optim entry has no master either (the current
+    one, as fp32). Returns (saved precision, this bucket's) where it converted, else None."""
+    from superoffload_hf.engine.precision import convert, precision_of
+
+    step = int(float(entry.get("step", 0)))
+    if "master_bf16" in entry:
+        return _converted(engine, index, engine.import_param(index, {k: entry[k] for k in COMPACT_KEYS}, step), entry)
     current = engine.export_param(index)
-    zeros = torch.zeros_like(current["master"])
-    values = {"master": current["master"], "exp_avg": zeros, "exp_avg_sq": zeros}
-    values.update({name: entry[key] for key, name in MOMENT_KEYS.items() if key in entry})
-    engine.import_param(index, values, int(float(entry.get("step", 0))))
+    if not entry:  # the current master (in its precision), zero moments
+        values = {kind: (t if kind in MASTER_KINDS else torch.zeros_like(t)) for kind, t in current.items()}
+        engine.import_param(index, values, step)
+        return None
+    if "master_param" not in entry:  # torch.optim
+        master = convert(current, "fp32", engine.buckets.codec)["master"] if precision_of(current) != "fp32" else current["master"]
+        entry = {**entry, "master_param": master}
+    values = {name: entry[key] for key, name in MOMENT_KEYS.items()}
+    return _converted(engine, index, engine.import_param(index, values, step), entry)
+
+
+def _converted(engine, index: int, converted: bool, entry: Mapping[str, Any]):
+    from superoffload_hf.engine.precision import precision_of
+
+    if not converted:
+        return None
+    saved = precision_of({k: entry[k] for k in ("master_bf16", "master_err") if k in entry})
+    return saved, engine.buckets.precision_of(index)
 
 
 def _check_entry(entry: Mapping[str, Any], index: int, shape: tuple) -> None:
+    if "master_bf16" in entry:
+        return _check_compact_entry(entry, index, shape)
     for key in MOMENT_KEYS:
         if key not in entry:
             if key == "master_param":
@@ -145,6 +198,27 @@ def _check_entry(entry: Mapping[str, Any], index: int, shape: tuple) -> None:
         if value.numel() != torch.Size(shape).numel():
             raise ValueError(f"state[{index}][{key!r}] has shape {tuple(value.shape)}; parameter {index} has "
                              f"shape {shape}. Is this checkpoint from another model?")
+
+
+COMPACT_DTYPES = {"master_bf16": (torch.bfloat16,), "master_err": (torch.int8, torch.int16),
+                  "exp_avg_q": (torch.int8,), "exp_avg_scale": (torch.bfloat16,), "exp_avg_sq_q": (torch.uint8,),
+                  "exp_avg_sq_scale": (torch.bfloat16,)}
+
+
+def _check_compact_entry(entry: Mapping[str, Any], index: int, shape: tuple) -> None:
+    numel = torch.Size(shape).numel()
+    for key, dtypes in COMPACT_DTYPES.items():
+        if key not in entry:
+            raise KeyError(f"The compact state of parameter {index} has no {key!r}; keys are {sorted(entry)}.")
+        value = entry[key]
+        if not isinstance(value, torch.Tensor) or value.dtype not in dtypes:
+            got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"state[{index}][{key!r}] is {got}; expected a tensor of {' or '.join(map(str, dtypes))} "
+                            "(compact state, superoffload_hf/host/compact.py). Is this file damaged?")
+        expected = scale_numel(numel) if key.endswith("_scale") else numel
+        if value.numel() != expected:
+            raise ValueError(f"state[{index}][{key!r}] has {value.numel()} elements; parameter {index} (shape {shape}) "
+                             f"needs {expected}. Is this checkpoint from another model?")
 
 
 def _check_checksums(saved_state: Mapping[int, Mapping[str, Any]], checksums: Any) -> None:

@@ -91,6 +91,11 @@ class Engine:
                                     inline_host=self.runtime.host_is_device and collectives is None)
         self.dp: Optional[DataParallel] = None  # built below, from the parts it uses
         check_not_ddp(self.params)
+        if collectives is not None and config.state_precision != "fp32":
+            raise NotImplementedError(
+                f"`state_precision` is {config.state_precision!r} under data parallelism ({collectives.world} ranks): "
+                "compact host state is implemented for one process so far. Use `state_precision: fp32` "
+                "with data parallelism, or train in one process.")
         if collectives is not None:
             broadcast_params(collectives, self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
@@ -111,7 +116,7 @@ class Engine:
             self.adam = get_host_adam(config.host_kernel, threads=threads)
         self.observer = StepObserver(self.runtime, counters, config.timeline_dir, config.timeline_steps)
         self.jobs = HostJobs(self.adam, self.transfer, adamw, config.rollback == "snapshot", counters,
-                             self.observer.timeline)
+                             self.observer.timeline, compact=config.state_precision != "fp32")
         self.policy = SpeculationPolicy(config.speculation, config.speculation_window,
                                         config.speculation_max_rollback_rate, overlap=not self.runtime.host_is_device)
         self.loss_scale = make_loss_scale(config)
@@ -121,7 +126,7 @@ class Engine:
                                             shard_world=None if collectives is None
                                             else collectives.topology.shard_world)
         self.buckets = BucketSet(self.params, buffers, self.runtime,
-                                 shard_of=None if collectives is None else sharding(collectives))
+                                 shard_of=None if collectives is None else sharding(collectives), codec=self.adam)
         initial = self.layout.initial_plan()
         if config.host_memory_check:  # before anything is allocated: refuse with the table, not the OOM killer
             check_plan_fits(footprint(initial, buffers), self.runtime, sum(p.numel() for p in self.params))
@@ -194,8 +199,19 @@ class Engine:
         return (f"SuperOffload: {n} bucket{'s' if n != 1 else ''} ({self.plan.num_device_buckets} "
                 f"device-resident) of <= {self.plan.bucket_numel} elements, device {self.runtime.name} "
                 f"{self.config.device_dtype}, cast {self.cast}, speculation {self.config.speculation}, "
-                f"rollback {self.config.rollback}, host Adam {self.adam.name}/{self.adam.isa} "
+                f"rollback {self._rollback_note()}, state {self.state_note()}, host Adam {self.adam.name}/{self.adam.isa} "
                 f"x{self.adam.threads} threads ({self.host_threads_note}){dp}")
+
+    def _rollback_note(self) -> str:
+        return "snapshot (compact bytes)" if self.buckets.policy.compact else self.config.rollback
+
+    def state_note(self) -> str:
+        """The state precision and the host state's bytes per parameter, as the Ledger holds them."""
+        kinds = self.buckets.policy.state_kinds
+        held = sum(self.buckets.ledger.bytes(place, kind) for place in ("host", "pinned") for kind in kinds)
+        n = sum(s.numel for rt in self.buckets.host() for s in rt.bucket.slots)
+        per_param = f" {held / n:.3f} B/param" if n else ""
+        return f"{self.config.state_precision}{per_param}"
 
     # ---- the hooks' entry points ----------------------------------------------------------
 
@@ -315,9 +331,11 @@ class Engine:
     def export_param(self, index: int) -> dict[str, torch.Tensor]:
         return self.buckets.export_param(index)
 
-    def import_param(self, index: int, values: dict[str, torch.Tensor], step: int) -> None:
-        self.buckets.import_param(index, values)
+    def import_param(self, index: int, values: dict[str, torch.Tensor], step: int) -> bool:
+        """Returns whether the state was converted (another state precision than its bucket's)."""
+        converted = self.buckets.import_param(index, values)
         self.buckets.param_steps[index] = int(step)
+        return converted
 
     def refresh_device_params(self) -> None:
         """Copy every master weight to its device parameter (after loading state: the loader

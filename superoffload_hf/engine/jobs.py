@@ -9,6 +9,10 @@
   admits a commit, its speculative step and copy-back (LAUNCHED -> SPECULATED, else STAGED).
 * `step` / `rollback`: after validation, the committed step, or the undoing of a speculative one
   (then its replay with the clip coefficient, if any), each followed by the copy-back.
+
+Compact host state (`compact`): the step is the back end's `compact_step_` (stepper.apply_compact),
+a speculative step first keeps the six tensors' bytes (`bytes_copy_`) and a rollback restores
+them bit-exactly (quantisation is not invertible), and the copy-back sends `master_bf16` as it is.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from superoffload_hf.perf.timeline import D2H, H2D, HOST_ADAM, Timeline
 
 
 class HostJobs:
-    def __init__(self, adam, transfer, adamw: bool, snapshot: bool, counters, timeline: Timeline = None):
+    def __init__(self, adam, transfer, adamw: bool, snapshot: bool, counters, timeline: Timeline = None,
+                 compact: bool = False):
         self.adam = adam
         self.transfer = transfer
         self.adamw = adamw
-        self.snapshot = snapshot
+        self.compact = compact
+        self.snapshot = snapshot or compact  # compact state: rollback restores the pre-step bytes
         self.counters = counters
         self.timeline = timeline if timeline is not None else Timeline.disabled()
         # Data parallel (engine/dp.py): the copy-back is the shard's all-gather, issued only
@@ -88,8 +94,8 @@ class HostJobs:
         self.transfer.wait_host_before_write(rt.h2d_event)  # the last copy-back still reads master/lowp
         start = time.perf_counter()
         if snapshot:
-            rt.bufs.take_snapshot(self.adam.grad_copy_)
-        stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
+            rt.bufs.take_snapshot(self._snapshot_copy)
+        self._step(rt, call)
         self._host(rt, "speculative step" if speculative else "step", start, speculative=speculative)
         if not (speculative and self.gather is not None):
             self.copy_back(rt, call)
@@ -99,15 +105,26 @@ class HostJobs:
         self.transfer.wait_host_before_write(rt.h2d_event)
         start = time.perf_counter()
         if self.snapshot:
-            rt.bufs.restore_snapshot(self.adam.grad_copy_, self.adam.lowp_copy_)
+            rt.bufs.restore_snapshot(self._snapshot_copy, self.adam.lowp_copy_)
         else:
             stepper.apply(self.adam.adam_rollback_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
         if redo is not None:
-            stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, redo, self.adamw, rt.bufs.lowp)
+            self._step(rt, redo)
         self._host(rt, "rollback + replay" if redo is not None else "rollback", start, rollback=True,
                    replay=redo is not None)
         if redo is not None or self.gather is None:
             self.copy_back(rt, redo or call)
+
+    def _step(self, rt: BucketRuntime, call: StepCall) -> None:
+        if rt.bufs.compact:
+            stepper.apply_compact(self.adam, rt.bufs, rt.grad_in, call, self.adamw)
+        else:
+            stepper.apply(self.adam.adam_step_, rt.bufs, rt.grad_in, call, self.adamw, rt.bufs.lowp)
+
+    @property
+    def _snapshot_copy(self):
+        """The kernel-pool copy a snapshot takes and restores with: fp32 state, or any dtype's bytes."""
+        return self.adam.bytes_copy_ if self.compact else self.adam.grad_copy_
 
     def copy_back(self, rt: BucketRuntime, call: StepCall) -> None:
         if self.gather is not None:
@@ -119,7 +136,7 @@ class HostJobs:
         if rt.params_alias_master:
             return  # the parameters are views of master: the step updated them in place
         ks = stepper.run_slots(call)
-        src = rt.bufs.lowp if rt.bufs.lowp is not None else rt.bufs.master
+        src = rt.bufs.copy_back_source  # compact state: master_bf16, sent as it is
         start = time.perf_counter()
         rt.h2d_event = self.transfer.params_to_device(
             src, [rt.params[k] for k in ks], [rt.bucket.slots[k].offset for k in ks])

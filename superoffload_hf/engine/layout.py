@@ -120,7 +120,18 @@ class LayoutBuilder:
     def plan(self, device_buckets: int, ready_order=None, deferred=()) -> BucketPlan:
         return BucketPlan.build(self.shapes, self.group_indices, bucket_numel=self.bucket_numel,
                                 device_buckets=device_buckets, ready_order=ready_order,
-                                deferred=deferred, group_labels=self.group_labels)
+                                deferred=deferred, group_labels=self.group_labels, align=self.align)
+
+    @property
+    def compact(self) -> bool:
+        return self.config.state_precision != "fp32"
+
+    @property
+    def align(self) -> int:
+        """Compact state: slots start at multiples of the group (memory.BufferPolicy.align)."""
+        from superoffload_hf.host.compact import COMPACT_GROUP
+
+        return COMPACT_GROUP if self.compact else 1
 
     def initial_plan(self) -> BucketPlan:
         n = self.config.device_buckets
@@ -163,8 +174,9 @@ class LayoutBuilder:
         return torch.float32 if cast == "device" else self.dtype
 
     def lowp_dtype(self, cast: str) -> Optional[torch.dtype]:
-        """The dtype of the host-side low-precision copy the kernel writes, if any."""
-        return self.dtype if cast == "host" and self.dtype != torch.float32 else None
+        """The dtype of the host-side low-precision copy the kernel writes, if any (none under
+        compact state: the bf16 part of the master is that copy)."""
+        return self.dtype if cast == "host" and self.dtype != torch.float32 and not self.compact else None
 
     def buffer_policy(self, cast: str, pin: bool, rounds_pinned: bool,
                       accumulation_steps: Optional[int] = None, host_is_device: bool = False,
@@ -175,8 +187,12 @@ class LayoutBuilder:
         steps = self.config.gradient_accumulation_steps if accumulation_steps is None else accumulation_steps
         return BufferPolicy(device_dtype=self.dtype, link_dtype=self.link_dtype(cast),
                             lowp_dtype=self.lowp_dtype(cast), pin=pin,
-                            snapshot=self.config.rollback == "snapshot", micro_batches=steps,
+                            # compact state: rollback restores the pre-step bytes (not invertible),
+                            # kept only where a step may be speculative
+                            snapshot=self.config.rollback == "snapshot" or (
+                                self.compact and self.config.speculation != "off"), micro_batches=steps,
                             rounds_pinned=rounds_pinned, shard_world=shard_world,
+                            state_precision=self.config.state_precision,
                             # a rank's master holds only its shard of each bucket: never aliased
                             params_alias_masters=(host_is_device and self.dtype == torch.float32
                                                   and shard_world is None))

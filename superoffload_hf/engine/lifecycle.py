@@ -150,11 +150,14 @@ class BucketRuntime:
         self.grad_in = flat
 
     def take_round(self) -> torch.Tensor:
-        """The round's flat device gradient, absent parameters zeroed; starts a new round."""
+        """The round's flat device gradient, absent parameters and padding zeroed (a ring slot
+        holds an earlier round's bytes there); starts a new round."""
         flat = self.round_dev
         for k, fired in enumerate(self.round_fired):
             if not fired:
                 BucketBuffers.view(flat, self.bucket.slots[k]).zero_()
+        for start, end in self.bucket.gaps:  # the norm sums the whole buffer
+            flat[start:end].zero_()
         self.round_dev = None
         self.round_fired = [False] * len(self.bucket.slots)
         return flat

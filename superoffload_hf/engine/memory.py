@@ -16,7 +16,15 @@ the runtime rounds page-locked blocks up) that the buckets are views into:
                the landing buffer
 * `lowp`       (cast "host") the low-precision copy the kernel writes; page-locked, it crosses
 
-Besides: `snapshot` (rollback "snapshot": master and moments before a speculative step, plain),
+Under compact state (`BufferPolicy.state_precision`, host/compact.py) the three fp32 state kinds
+of a host bucket are six: `master_bf16` (the bf16 part of the master, the copy-back's source as
+it is: page-locked where it crosses the link; there is no `lowp` then), `master_err` (int8, int16
+for "compact32"), `exp_avg_q` (int8), `exp_avg_sq_q` (uint8 of sqrt(v)), and the per-group bf16
+`exp_avg_scale` / `exp_avg_sq_scale` (ceil(n / 32) elements for a bucket of n), plain memory.
+Device-resident buckets keep fp32 state on the device.
+
+Besides: `snapshot` (rollback "snapshot", and always under compact state: master and moments, or
+the six compact kinds' bytes, before a speculative step, plain),
 `landing` (a gradient copy that is cast or added to `grad` lands here first: a low-precision
 link, or accumulation over micro-batches; page-locked), the device-resident buckets (fp32
 master, moments and gradient on the device), the device parameters, and the transient buffers
@@ -44,9 +52,13 @@ import torch
 
 from superoffload_hf.engine.plan import BucketPlan
 from superoffload_hf.engine.shard import shard_numel
+from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel, spec_of
 
 ALIGN_NUMEL = 64  # every bucket starts 64 elements (>= one cache line, any dtype) into its arena
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+# compact host state (host/compact.py), in the order of the back end's compact_* arguments
+COMPACT_KINDS = ("master_bf16", "master_err", "exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
+SCALE_KINDS = ("exp_avg_scale", "exp_avg_sq_scale")  # one element per group of COMPACT_GROUP
 HOST_KINDS = STATE_KINDS + ("grad", "lowp")
 FP32 = torch.float32
 ALL_GATHERS_LIVE = 1  # data parallel: all-gather buffer pairs (flat bucket + shard), reused (engine/dp.py)
@@ -70,6 +82,31 @@ class BufferPolicy:
     rounds_pinned: bool = False  # the runtime rounds a page-locked block up to a power of two
     params_alias_masters: bool = False  # the CPU device with fp32: host buckets' parameters ARE the masters
     shard_world: Optional[int] = None  # data parallel (engine/dp.py): ranks sharing each host bucket; None: one process
+    state_precision: str = "fp32"  # host buckets' state: "fp32", or compact ("compact", "compact32": host/compact.py)
+
+    @property
+    def compact(self) -> bool:
+        return self.state_precision != "fp32"
+
+    @property
+    def align(self) -> int:
+        """Elements every parameter slot starts at a multiple of (plan.py): the compact group."""
+        return COMPACT_GROUP if self.compact else 1
+
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        """The kinds that hold a host bucket's master and moments."""
+        return COMPACT_KINDS if self.compact else STATE_KINDS
+
+    @property
+    def copy_back_dtype(self) -> torch.dtype:
+        """What the copy-back sends: compact state's bf16 master, the cast "host" copy, or fp32."""
+        return torch.bfloat16 if self.compact else (self.lowp_dtype or FP32)
+
+    @staticmethod
+    def kind_numel(kind: str, numel: int) -> int:
+        """Elements of a buffer of `kind` for a bucket (or shard) of `numel` elements."""
+        return scale_numel(numel) if kind in SCALE_KINDS else numel
 
     @property
     def accumulates(self) -> bool:
@@ -99,8 +136,13 @@ class BufferPolicy:
 
     def host_kinds(self) -> dict[str, tuple[torch.dtype, bool]]:
         """kind -> (dtype, page-locked) of every arena a host bucket has."""
-        kinds = {"master": (FP32, self.pin and self.lowp_dtype is None),
-                 "exp_avg": (FP32, False), "exp_avg_sq": (FP32, False)}
+        if self.compact:  # the bf16 master crosses the link as it is; the rest never does
+            kinds = {"master_bf16": (torch.bfloat16, self.pin), "master_err": (spec_of(self.state_precision).err_dtype, False),
+                     "exp_avg_q": (torch.int8, False), "exp_avg_scale": (torch.bfloat16, False),
+                     "exp_avg_sq_q": (torch.uint8, False), "exp_avg_sq_scale": (torch.bfloat16, False)}
+        else:
+            kinds = {"master": (FP32, self.pin and self.lowp_dtype is None),
+                     "exp_avg": (FP32, False), "exp_avg_sq": (FP32, False)}
         if not self.grad_lazy:
             kinds["grad"] = (FP32, self.pin and self.link_dtype == FP32)
         if self.lowp_dtype is not None:
@@ -248,11 +290,11 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
     largest = max((b.numel for b in plan.buckets), default=0)
     aliased = sum(host) if policy.params_alias_masters else 0
     # aliased parameters are views of their masters (counted below): no memory of their own
-    rows = [FootprintRow("device params", "device", (plan.total_numel - aliased) * _size(policy.device_dtype))]
+    rows = [FootprintRow("device params", "device", (plan.param_numel - aliased) * _size(policy.device_dtype))]
     if on_device:  # replicated under data parallelism, not sharded
         rows.append(FootprintRow("device-resident buckets", "device", on_device * 4 * 4))
     for kind, (dtype, pinned) in policy.host_kinds().items():
-        segments, _ = arena_layout(host, policy.rounds_pinned and pinned)
+        segments, _ = arena_layout([policy.kind_numel(kind, n) for n in host], policy.rounds_pinned and pinned)
         rows.append(FootprintRow({"grad": "grad staging", "recv": "grad landing"}.get(kind, kind),
                                  "pinned" if pinned else "host", sum(segments) * _size(dtype)))
     spare = spare_landing_numel(plan, policy)
@@ -260,8 +302,10 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
         segments, _ = arena_layout([spare], policy.rounds_pinned and policy.pin)
         rows.append(FootprintRow("grad landing (spare)", "pinned" if policy.pin else "host",
                                  sum(segments) * _size(policy.link_dtype)))
-    if policy.snapshot:
-        rows.append(FootprintRow("snapshot", "host", sum(host) * 3 * 4))
+    if policy.snapshot:  # one buffer per state kind and host bucket (buffers.py take_snapshot)
+        kinds = policy.host_kinds()
+        rows.append(FootprintRow("snapshot", "host", sum(policy.kind_numel(kind, n) * _size(kinds[kind][0])
+                                                         for n in host for kind in policy.state_kinds)))
     largest_host = max(host, default=0)
     if largest_host and policy.shard_world is not None:
         rows += _data_parallel_rows(host_buckets, host, policy)
@@ -272,10 +316,10 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
         rows.append(FootprintRow(f"gradient ring ({GRAD_RING_SLOTS} slots)", "device",
                                  GRAD_RING_SLOTS * largest_host * _size(policy.link_dtype), transient=True))
         rows.append(FootprintRow("copy-back staging", "device",
-                                 largest_host * _size(policy.lowp_dtype or FP32), transient=True))
+                                 largest_host * _size(policy.copy_back_dtype), transient=True))
     if not largest_host:
         rows.append(FootprintRow("transient (one bucket)", "device",
-                                 largest * (_size(policy.link_dtype) + _size(policy.lowp_dtype or FP32)),
+                                 largest * (_size(policy.link_dtype) + _size(policy.copy_back_dtype)),
                                  transient=True))
     if policy.grad_on_demand:  # autograd's, read in place; from backward until step() ends, as in torch
         # (a step with more backwards than declared micro-batches also allocates the fp32

@@ -16,6 +16,10 @@ so it is deterministic, printable and unit-tested on its own.
   go into buckets of their own that are never stepped speculatively; they come last.
 * The last `device_buckets` buckets (the first layers, whose gradients arrive last) keep their
   fp32 state on the device and are stepped there.
+* `align` > 1 (compact host state: the group of host/compact.py, 32) starts every parameter's
+  slot at a multiple of `align` elements, so no group of the per-group scales spans two
+  parameters and a parameter's state is the same bytes in any plan. The elements between slots
+  ("gaps") are padding: zero in every buffer, never stepped.
 """
 
 from __future__ import annotations
@@ -50,6 +54,16 @@ class Bucket:
     speculative: bool  # False for deferred parameters: stepped only at step(), after validation
 
     @property
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """(start, end) of the padding between slots (`align` > 1); () when slots are contiguous."""
+        gaps, end = [], 0
+        for s in self.slots:
+            if s.offset > end:
+                gaps.append((end, s.offset))
+            end = s.offset + s.numel
+        return tuple(gaps)
+
+    @property
     def param_indices(self) -> tuple[int, ...]:
         return tuple(s.index for s in self.slots)
 
@@ -63,6 +77,7 @@ class BucketPlan:
     buckets: tuple[Bucket, ...]
     bucket_numel: int
     group_labels: tuple[str, ...] = ()
+    align: int = 1  # every slot starts at a multiple of this many elements
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -77,6 +92,7 @@ class BucketPlan:
         ready_order: Optional[Sequence[int]] = None,
         deferred: Iterable[int] = (),
         group_labels: Sequence[str] = (),
+        align: int = 1,
     ) -> "BucketPlan":
         """Plan buckets for parameters `0..len(shapes)-1`.
 
@@ -84,22 +100,24 @@ class BucketPlan:
         `ready_order` lists indices in the order their gradients become ready (default: reverse
         of each group's index order, the groups interleaved in proportion); indices it omits
         follow in reverse index order. `deferred` indices go
-        into trailing non-speculative buckets."""
+        into trailing non-speculative buckets. `align`: every slot starts at a multiple of it
+        (padding counts towards `bucket_numel`)."""
         shapes = [tuple(int(d) for d in s) for s in shapes]
         group_of = _group_of(groups, len(shapes))
         _check_positive_int("bucket_numel", bucket_numel)
         _check_count("device_buckets", device_buckets)
+        _check_positive_int("align", align)
         order = _guessed_order(group_of) if ready_order is None else _full_order(ready_order, len(shapes))
         deferred = set(deferred)
-        packed = _pack([i for i in order if i not in deferred], shapes, group_of, bucket_numel, True)
-        packed += _pack([i for i in order if i in deferred], shapes, group_of, bucket_numel, False)
+        packed = _pack([i for i in order if i not in deferred], shapes, group_of, bucket_numel, True, align)
+        packed += _pack([i for i in order if i in deferred], shapes, group_of, bucket_numel, False, align)
         n_device = min(device_buckets, len(packed))
         buckets = tuple(
             Bucket(index=k, group=g, slots=slots, numel=_numel(slots),
                    device_resident=k >= len(packed) - n_device, speculative=spec)
             for k, (g, slots, spec) in enumerate(packed)
         )
-        return cls(buckets=buckets, bucket_numel=bucket_numel, group_labels=tuple(group_labels))
+        return cls(buckets=buckets, bucket_numel=bucket_numel, group_labels=tuple(group_labels), align=align)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -113,7 +131,13 @@ class BucketPlan:
 
     @property
     def total_numel(self) -> int:
+        """Elements of every bucket's buffers (padding between slots included)."""
         return sum(b.numel for b in self.buckets)
+
+    @property
+    def param_numel(self) -> int:
+        """Elements of the parameters themselves (no padding)."""
+        return sum(s.numel for b in self.buckets for s in b.slots)
 
     def locate(self) -> dict[int, tuple[int, ParamSlot]]:
         """Parameter index -> (bucket index, slot)."""
@@ -129,7 +153,8 @@ class BucketPlan:
         lines = [
             f"BucketPlan: {len(self.buckets)} buckets, {self.num_params} params, "
             f"{self.total_numel} elements; bucket size {self.bucket_numel} elements ({mb:.3g} MB fp32); "
-            f"{self.num_device_buckets} device-resident",
+            f"{self.num_device_buckets} device-resident"
+            + (f"; slots aligned to {self.align} elements" if self.align > 1 else ""),
             f"{'bucket':>6}  {'where':<6} {'spec':<4} {'group':>5} {'numel':>12} {'MB':>9}  params",
         ]
         for b in self.buckets:
@@ -157,30 +182,35 @@ def auto_bucket_numel(bucket_size_mb, total_numel: int, min_buckets: int = AUTO_
 # ---- helpers --------------------------------------------------------------------------------
 
 
-def _pack(order, shapes, group_of, bucket_numel, speculative):
+def _pack(order, shapes, group_of, bucket_numel, speculative, align=1):
     """Pack indices into per-group buckets; return (group, slots, speculative) sorted by the
-    position at which each bucket's last parameter arrives."""
+    position at which each bucket's last parameter arrives. Sizes count the padding to `align`."""
     open_buckets: dict[int, tuple[int, list[int]]] = {}  # group -> (last position, indices)
     closed: list[tuple[int, int, list[int]]] = []  # (completion position, group, indices)
     for position, i in enumerate(order):
         g = group_of[i]
         last, current = open_buckets.get(g, (position, []))
-        if current and _sum_numel(current, shapes) + _prod(shapes[i]) > bucket_numel:
+        if current and _padded(_sum_numel(current, shapes, align), align) + _prod(shapes[i]) > bucket_numel:
             closed.append((last, g, current))
             current = []
         open_buckets[g] = (position, current + [i])
     closed += [(last, g, current) for g, (last, current) in open_buckets.items()]
     closed.sort(key=lambda c: c[0])
-    return [(g, _slots(indices, shapes), speculative) for _, g, indices in closed]
+    return [(g, _slots(indices, shapes, align), speculative) for _, g, indices in closed]
 
 
-def _slots(indices, shapes) -> tuple[ParamSlot, ...]:
+def _slots(indices, shapes, align=1) -> tuple[ParamSlot, ...]:
     slots, offset = [], 0
     for i in indices:
         n = _prod(shapes[i])
+        offset = _padded(offset, align)
         slots.append(ParamSlot(index=i, offset=offset, numel=n, shape=shapes[i]))
         offset += n
     return tuple(slots)
+
+
+def _padded(numel: int, align: int) -> int:
+    return -(-numel // align) * align
 
 
 def _guessed_order(group_of: Sequence[int]) -> list[int]:
@@ -240,12 +270,17 @@ def _prod(shape) -> int:
     return math.prod(shape) if shape else 1
 
 
-def _sum_numel(indices, shapes) -> int:
-    return sum(_prod(shapes[i]) for i in indices)
+def _sum_numel(indices, shapes, align=1) -> int:
+    """Elements of slots `indices` packed in order, the padding between them included."""
+    end = 0
+    for i in indices:
+        end = _padded(end, align) + _prod(shapes[i])
+    return end
 
 
 def _numel(slots) -> int:
-    return sum(s.numel for s in slots)
+    """Elements of a bucket's buffers: up to the end of its last slot (padding between slots included)."""
+    return slots[-1].offset + slots[-1].numel if slots else 0
 
 
 def _ranges(indices: Sequence[int]) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.plan import Bucket
+from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,16 @@ class StepCall:
 
 
 def plan_runs(bucket: Bucket, present: Sequence[bool], param_steps: Sequence[int]) -> tuple[Run, ...]:
-    """Maximal runs of consecutive present parameters that share a step count."""
+    """Maximal runs of consecutive present parameters that share a step count and are contiguous
+    in the buffers (padding between slots, plan.py `align`, is never stepped)."""
     runs: list[Run] = []
     for k, slot in enumerate(bucket.slots):
         if not present[k]:
             continue
         step = param_steps[slot.index] + 1
         last = runs[-1] if runs else None
-        if last is not None and last.slots[-1] == k - 1 and last.step == step:
+        if (last is not None and last.slots[-1] == k - 1 and last.step == step
+                and last.offset + last.numel == slot.offset):
             runs[-1] = Run(last.offset, last.numel + slot.numel, step, last.slots + (k,))
         else:
             runs.append(Run(slot.offset, slot.numel, step, (k,)))
@@ -77,6 +80,22 @@ def apply(op: Callable, bufs: BucketBuffers, grad: torch.Tensor, call: StepCall,
            grad[run.offset:end], step=run.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
            weight_decay=h.weight_decay, adamw=adamw, bias_correction=True, grad_scale=call.grad_scale,
            param_lowp=None if lowp is None else lowp[run.offset:end])
+
+
+def apply_compact(adam, bufs: BucketBuffers, grad: torch.Tensor, call: StepCall, adamw: bool) -> None:
+    """`adam.compact_step_` over every run of `call` on a compact host bucket's six buffers. A run
+    starts at a slot, a multiple of the group (plan.py align): its scales start at offset / G."""
+    h = call.hyper
+    for run in call.runs:
+        if run.numel == 0:
+            continue
+        end = run.offset + run.numel
+        groups = slice(run.offset // COMPACT_GROUP, scale_numel(end))
+        adam.compact_step_(bufs.master_bf16[run.offset:end], bufs.master_err[run.offset:end],
+                           bufs.exp_avg_q[run.offset:end], bufs.exp_avg_scale[groups],
+                           bufs.exp_avg_sq_q[run.offset:end], bufs.exp_avg_sq_scale[groups], grad[run.offset:end],
+                           step=run.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                           weight_decay=h.weight_decay, adamw=adamw, bias_correction=True, grad_scale=call.grad_scale)
 
 
 def run_slots(call: StepCall) -> list[int]:

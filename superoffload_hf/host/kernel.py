@@ -2,7 +2,8 @@
 
 ``get_host_adam(mode, threads, isa)`` returns an object with one signature whichever back end
 serves it (``name``, ``isa``, ``threads``, ``adam_step_``, ``adam_rollback_``, ``sum_squares``,
-``set_num_threads``, ``describe``). The math of both is in `superoffload_hf.host.reference`.
+``set_num_threads``, ``describe``; for the compact state of host/compact.py ``compact_step_``,
+``compact_encode_``, ``compact_decode`` and ``bytes_copy_``). The math of both is in `superoffload_hf.host.reference`.
 Every gradient argument may also be a `SegmentedGrad` (host/segmented.py: the gradient as the
 tensors autograd produced, read in place).
 
@@ -34,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from superoffload_hf.host import reference
+from superoffload_hf.host import compact, reference
 from superoffload_hf.host.segmented import SegmentedGrad
 
 MODES = ("auto", "cpp", "reference")
@@ -125,6 +126,27 @@ class ReferenceHostAdam:
     def sum_squares(self, grad) -> float:
         return reference.sum_squares(grad.cat() if isinstance(grad, SegmentedGrad) else grad)
 
+    def compact_step_(self, master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                      grad, *, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction=True,
+                      grad_scale=1.0) -> None:
+        """One Adam step on the compact state (host/compact.py): decode, fp32 update, encode."""
+        hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
+        compact.compact_step_(master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                              _flat(grad), **dict(zip(_HYPER_NAMES, hyper)))
+
+    def compact_encode_(self, master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                        param, exp_avg, exp_avg_sq) -> None:
+        compact.compact_encode_(master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                                param, exp_avg, exp_avg_sq)
+
+    def compact_decode(self, master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                       param, exp_avg, exp_avg_sq) -> None:
+        compact.compact_decode(master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                               param, exp_avg, exp_avg_sq)
+
+    def bytes_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        compact.bytes_copy_(dst, src)
+
     def grad_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         reference.grad_copy_(dst, src)
 
@@ -180,6 +202,41 @@ class CppHostAdam:
         if isinstance(grad, SegmentedGrad):
             return float(self._ext.sum_squares_segments(grad.present(), self._isa_code))
         return float(self._ext.sum_squares(grad, self._isa_code))
+
+    def compact_step_(self, master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                      grad, *, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction=True,
+                      grad_scale=1.0) -> None:
+        """One Adam step on the compact state (host/compact.py), bitwise equal to the reference."""
+        hyper = _binding_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
+        state = (master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale)
+        if isinstance(grad, SegmentedGrad):  # read in place, segment by segment
+            self._ext.compact_step_segments_(*state, grad.tensors(), *hyper, self._isa_code)
+        else:
+            self._ext.compact_step_(*state, grad, *hyper, self._isa_code)
+
+    def compact_encode_(self, master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                        param, exp_avg, exp_avg_sq) -> None:
+        """fp32 state -> compact bytes on the kernel's threads (float64 inputs are rounded to fp32 first)."""
+        fp32 = [t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t
+                for t in (param, exp_avg, exp_avg_sq)]
+        self._ext.compact_encode_(master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                                  *fp32)
+
+    def compact_decode(self, master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                       param, exp_avg, exp_avg_sq) -> None:
+        """compact bytes -> fp32 state on the kernel's threads (float64 outputs get the same, exact, values)."""
+        outputs = (param, exp_avg, exp_avg_sq)
+        fp32 = [torch.empty_like(t, dtype=torch.float32) if isinstance(t, torch.Tensor) and t.dtype == torch.float64
+                else t for t in outputs]
+        self._ext.compact_decode_(master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale,
+                                  *fp32)
+        for out, tmp in zip(outputs, fp32):
+            if tmp is not out:
+                out.copy_(tmp)
+
+    def bytes_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst = src bit for bit (same dtype and numel, any dtype), on the kernel's threads."""
+        self._ext.bytes_copy_(dst, src)
 
     def grad_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst = float(src) on the kernel's threads (src fp32/bf16/fp16, dst fp32, same numel)."""

@@ -12,6 +12,9 @@ back end the engine uses (superoffload_hf.host.kernel.get_host_adam):
 * host Adam rate (elements/s of one 30-byte-per-element pass: fp32 step + bf16 copy) by thread
   count, alone and while another thread copies host memory (what the engine's copies and the
   training thread do meanwhile);
+* the compact host Adam rate at the engine's thread count (host/compact.py state: decode,
+  update, encode in one pass), and the state precision with its stored bytes per parameter
+  (the recipe's `state_precision`, fp32 without a recipe);
 * device Adam rate (torch AdamW, fused where the device supports it, on fp32 buffers);
 * with a recipe: the model's forward and backward time for one micro-batch, and when each
   parameter's gradient is complete during backward (the ready profile), from hooks that wait
@@ -63,6 +66,11 @@ class ProbeReport:
     pinning: dict = field(default_factory=dict)
     """{method: {"pin_gbps", "h2d_gbps"}, "faster": method} ({} where the runtime has no choice)."""
     engine_threads: int = 1
+    host_adam_compact_rate: float = 0.0
+    """elements/s of the compact step (state_precision "compact") at `engine_threads`, alone."""
+    state_precision: str = "fp32"
+    state_bytes_per_param: float = 12.0
+    """Stored host state per parameter at `state_precision` (host/compact.py CompactSpec)."""
     device_adam_rate: float = 0.0
     device_adam: str = ""
     device_free_bytes: int = 0
@@ -100,6 +108,8 @@ class ProbeReport:
             mark = "  <- the engine's pool" if t == self.engine_threads else ""
             lines.append(f"    {t:>3} threads  {self.host_adam_rate[t] / 1e9:7.3f} / "
                          f"{self.host_adam_rate_busy[t] / 1e9:7.3f}{mark}")
+        lines.append(f"  compact host Adam {self.host_adam_compact_rate / 1e9:.3f} Gelem/s at {self.engine_threads} "
+                     f"threads; host state {self.state_precision}, {self.state_bytes_per_param:.3f} B/param stored")
         lines.append(f"  device Adam ({self.device_adam}): {self.device_adam_rate / 1e9:.3f} Gelem/s; "
                      f"device memory free {self.device_free_bytes / 2**30:.1f} GiB")
         if self.workload:
@@ -202,6 +212,23 @@ def measure_host_adam(adam, numel: int, thread_counts: Sequence[int], point_seco
         with _HostCopyLoad(numel):
             busy[threads] = numel / _timed(one_step, runtime, point_seconds)
     return alone, busy
+
+
+def measure_compact_adam(adam, numel: int, point_seconds: float, runtime) -> float:
+    """elements/s of the back end's compact_step_ on `numel` elements ("compact" state, fp32 gradient)."""
+    from superoffload_hf.host.compact import compact_encode_, empty_state
+
+    param, m, v, grad, _ = _adam_buffers(numel)
+    state = empty_state(numel, "compact")
+    compact_encode_(*state, param, m, v)
+    step = [0]
+
+    def one_step():
+        step[0] += 1
+        adam.compact_step_(*state, grad, step=step[0], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=0.01, adamw=True)
+
+    return numel / _timed(one_step, runtime, point_seconds)
 
 
 class _HostCopyLoad:
@@ -359,6 +386,12 @@ def probe(device: Optional[torch.device] = None, recipe=None, *, quick: bool = F
             adam, numel, thread_counts(engine_threads), point, make_runtime(torch.device("cpu")))
     finally:
         adam.set_num_threads(engine_threads)
+    report.host_adam_compact_rate = measure_compact_adam(adam, numel, point, make_runtime(torch.device("cpu")))
+    if recipe is not None and recipe.superoffload:
+        report.state_precision = recipe.superoffload.get("state_precision", "fp32")
+    from superoffload_hf.host.compact import spec_of
+
+    report.state_bytes_per_param = spec_of(report.state_precision).bytes_per_param
     report.device_adam_rate, report.device_adam = measure_device_adam(runtime, numel, point)
     report.device_free_bytes = int(runtime.memory_info()[0])
     if workload is not None:

@@ -53,10 +53,29 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
         lines.append(f"memory per rank, data parallel over {num_processes} processes (each rank holds "
                      f"1/{num_processes} of every host bucket's master, moments and gradient staging):")
     lines.append(format_footprint(rows, n))
+    lines.append(state_line(rows, config.state_precision, n, shard_world))
     lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
     return "\n".join(lines)
+
+
+def state_line(rows, state_precision: str, num_params: int, shard_world: Optional[int]) -> str:
+    """The host state's precision and bytes per parameter (the rows of its kinds), and what the
+    rollback snapshot of speculated buckets costs."""
+    from superoffload_hf.engine.memory import COMPACT_KINDS, STATE_KINDS
+
+    kinds = STATE_KINDS if state_precision == "fp32" else COMPACT_KINDS
+    state = sum(r.nbytes for r in rows if r.what in kinds) / max(num_params, 1)
+    snapshot = sum(r.nbytes for r in rows if r.what == "snapshot") / max(num_params, 1)
+    line = f"  host state {state_precision} {state:.3f} B/param"  # (no ": ": the output reads as YAML)
+    if snapshot:
+        what = "the compact bytes" if state_precision != "fp32" else "master and moments"
+        line += f"; rollback keeps a snapshot of {what} of speculated buckets ({snapshot:.3f} B/param"
+        line += ", none with speculation off)" if state_precision != "fp32" else ")"
+    if state_precision != "fp32" and shard_world is not None:
+        line += "; compact state under data parallelism is not implemented yet (the optimizer refuses it)"
+    return line
 
 
 def host_check_line(rows, device_is_host: bool) -> str:
