@@ -110,7 +110,7 @@ class CompactSpec:
 
     @property
     def err_bits(self) -> int:
-        """B: err counts units of half an ulp of hi divided by 2**B."""
+        """B: err holds B + 1 bits of the rounding remainder (units of 2**(15 - B) fp32 ulps of the weight)."""
         if self.err_dtype is None:
             raise ValueError(f"state precision {self.name!r} has no error term.")
         return 7 if self.err_dtype == torch.int8 else 15
