@@ -54,7 +54,8 @@ def test_round_trip_errors_are_within_half_a_quantisation_step(precision, n):
     bits_b = compact.spec_of(precision).err_bits
     p2, m2, v2 = (torch.empty(n) for _ in range(3))
     compact.compact_decode(*state, p2, m2, v2)
-    # master: err rounds r / unit to nearest (the clamp at 2**B - 1 costs at most one more unit)
+    # master: err rounds the remainder to nearest in units no larger than half an ulp of hi / 2**B
+    # (the clamp at 2**B - 1 costs at most one more unit)
     assert bool(((p2.double() - p.double()).abs() <= master_unit(hi, bits_b)).all())
     assert bool(((p2.double() - p.double()).abs() <= master_unit(hi, bits_b) / 2).sum() >= n - n // 100 - 1)
     assert_bitwise_equal(hi, p.to(torch.bfloat16), "hi is the bf16 rounding of the weight")
@@ -86,15 +87,67 @@ def test_master_decode_is_exact_and_bf16_part_is_the_weight(precision):
 
 
 def test_master_split_of_chosen_values_by_hand():
-    # 1 + 2**-12: bf16 keeps 1.0, r = 2**-12; unit = 2**(127-135-7-127) = 2**-15 -> err = 8
-    w = torch.tensor([1.0 + 2.0**-12, 1.0 - 2.0**-12, float("nan"), float("inf"), -2.0**-149])
+    # 1 + 2**-12: bf16 keeps 1.0; delta = 2**-12 / 2**-23 = 2048 fp32 ulps -> compact err = 2048/256 = 8
+    # 1 - 2**-12: just below the binade edge the fp32 ulp halves: delta = -4096 -> err = -16 (exact)
+    w = torch.tensor([1.0 + 2.0**-12, 1.0 - 2.0**-12, float("nan"), float("inf"), -2.0**-149, -0.0])
     hi, err = compact.encode_master(w, torch.int8)
-    assert hi.float().tolist()[:2] == [1.0, 1.0] and err.tolist()[:2] == [8, -8]
+    assert hi.float().tolist()[:2] == [1.0, 1.0] and err.tolist()[:2] == [8, -16]
     assert math.isnan(hi[2].item()) and err[2] == 0 and hi[3].item() == math.inf and err[3] == 0
-    # the smallest denormal: bf16 rounds it to -0, err counts units of 2**-141: 2**-149 is 1/256 -> 0
-    assert hi[4].item() == 0.0 and err[4] == 0
-    _, err16 = compact.encode_master(w, torch.int16)
-    assert err16.tolist()[:2] == [2**11, -(2**11)] and err16[4] == -1  # compact32's unit is 2**-149 there
+    # the smallest denormal: bf16 rounds it to -0 (bits 0x8000); delta = 1 (sign-magnitude) -> rne(1/256) = 0
+    assert hi[4].view(torch.int16).item() == -0x8000 and err[4] == 0
+    hi16, err16 = compact.encode_master(w, torch.int16)
+    assert err16.tolist()[:2] == [2**11, -(2**12)] and err16[4] == 1  # compact32 keeps it exactly
+    decoded = compact.decode_master_float64(hi16, err16)
+    assert decoded[:2].tolist() == [1.0 + 2.0**-12, 1.0 - 2.0**-12] and decoded[4].item() == -(2.0**-149)
+    assert math.copysign(1.0, compact.decode_master_float64(hi, err)[5].item()) == -1.0  # -0.0 stays -0.0
+
+
+def bits_of(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def test_master_err_is_the_rounded_bit_pattern_remainder_with_ties_to_even():
+    # delta (the remainder in fp32 ulps) -> compact err = rne(delta / 256): the ties round to even
+    base = bits_of(1.5)  # 0x3fc00000, a bf16 value
+    deltas = [0, 1, 127, 128, 129, 384, 640, -128, -384, 32767, -32767, -32768, 32768]
+    w = torch.tensor([base + d for d in deltas], dtype=torch.int32).view(torch.float32)
+    hi, err = compact.encode_master(w, torch.int8)
+    hi16, err16 = compact.encode_master(w, torch.int16)
+    # +32768 is a tie that rounds hi down (to even): clamped to 127 / 32767
+    assert err.tolist() == [0, 0, 0, 0, 1, 2, 2, 0, -2, 127, -128, -128, 127]
+    assert err16.tolist()[:-1] == deltas[:-1] and err16[-1] == 32767
+    # base - 32768 is a tie between 0x3fbf (odd) and 0x3fc0: hi rounds up to base, delta = -32768
+    assert (compact._bf16_bits(hi)[-2] << 16).item() == base and (compact._bf16_bits(hi)[-1] << 16).item() == base
+    assert bool((hi.view(torch.int16) == hi16.view(torch.int16)).all())
+
+
+def test_master_decode_is_integer_shift_and_add_on_the_bits():
+    gen = torch.Generator().manual_seed(5)
+    hi_bits = torch.randint(0, 0x7F80, (4000,), generator=gen, dtype=torch.int32)
+    hi_bits[::2] |= 0x8000  # negative weights
+    hi = compact._bf16_from_bits(hi_bits)
+    err8 = torch.randint(-128, 128, (4000,), generator=gen, dtype=torch.int32)
+    err16 = torch.randint(-32768, 32768, (4000,), generator=gen, dtype=torch.int32)
+    for err, mult, dtype in ((err8, 256, torch.int8), (err16, 1, torch.int16)):
+        want = ((hi_bits.long() << 16) + err.long() * mult) & 0xFFFFFFFF
+        want = torch.where(want >= 2**31, want - 2**32, want).to(torch.int32)
+        got = compact.decode_master_bits(hi, err.to(dtype))
+        assert_bitwise_equal(got, want, f"decode of {dtype}")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_master_precision_is_continuous_across_binade_edges(precision):
+    # weights just below and above powers of two (where hi's exponent changes): the error stays
+    # within half a unit of 2**(15 - B) fp32 ulps of w, on both sides of every edge
+    bits_b = compact.spec_of(precision).err_bits
+    edges = [bits_of(2.0**k) for k in range(-125, 127, 7)] + [bits_of(-(2.0**k)) for k in range(-120, 120, 11)]
+    offsets = list(range(-40000, 40001, 997))
+    w_bits = torch.tensor([e + o for e in edges for o in offsets], dtype=torch.int64)
+    w = w_bits.to(torch.int32).view(torch.float32)
+    hi, err = compact.encode_master(w, compact.spec_of(precision).err_dtype)
+    got_bits = compact.decode_master_float64(hi, err).float().view(torch.int32).long()
+    half_unit = 2 ** (15 - bits_b) // 2
+    assert int((got_bits - w_bits.to(torch.int32).long()).abs().max()) <= max(half_unit, 1)
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 96])

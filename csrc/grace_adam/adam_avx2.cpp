@@ -170,10 +170,6 @@ double sum_squares_block(const void* g, int64_t n) {
 
 // ---- the compact step: one group of kCompactGroup = 4 vectors at a time ---------------------
 
-GRACE_ADAM_INLINE __m256 pow2_vec(__m256i k) {  // 2^k for k in [-126, 127]
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
-}
-
 // f32_to_bf16_rne_vec before narrowing: the bf16 bits in the low half of each 32-bit lane.
 GRACE_ADAM_INLINE __m256i f32_to_bf16_bits_vec(__m256 p) {
   const __m256i bits = _mm256_castps_si256(p);
@@ -184,38 +180,33 @@ GRACE_ADAM_INLINE __m256i f32_to_bf16_bits_vec(__m256 p) {
   return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
 }
 
-GRACE_ADAM_INLINE __m256i unit_exponent(__m256i hi_bits, int b) {  // max(E, 1) - kUnitBias - B
-  const __m256i biased = _mm256_and_si256(_mm256_srli_epi32(hi_bits, 7), _mm256_set1_epi32(0xff));
-  return _mm256_sub_epi32(_mm256_max_epi32(biased, _mm256_set1_epi32(1)), _mm256_set1_epi32(kUnitBias + b));
-}
-
 template <int B>
 GRACE_ADAM_INLINE __m256i load_err(const void* err, int64_t i) {
   if constexpr (B == 7) return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(err) + i)));
   else return _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(err) + i)));
 }
 
-// master_decode_one lane by lane.
+// master_decode_one lane by lane: (hi << 16) + (err << (15 - B)), integer only.
 template <int B>
 GRACE_ADAM_INLINE __m256 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
   const __m256i hb = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + i)));
-  const __m256i j = unit_exponent(hb, B);
-  const __m256i j1 = _mm256_max_epi32(j, _mm256_set1_epi32(-126));
-  const __m256 e = _mm256_cvtepi32_ps(load_err<B>(err, i));
-  const __m256 scaled = _mm256_mul_ps(_mm256_mul_ps(e, pow2_vec(j1)), pow2_vec(_mm256_sub_epi32(j, j1)));
-  return _mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(hb, 16)), scaled);
+  const __m256i delta = _mm256_slli_epi32(load_err<B>(err, i), master_err_shift(B));
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(hb, 16), delta));
 }
 
 // master_encode_one lane by lane: stores hi and err (saturating packs are the clamp).
 template <int B>
 GRACE_ADAM_INLINE void master_encode_vec(__m256 w, uint16_t* hi, void* err, int64_t i) {
+  constexpr int s = master_err_shift(B);
   const __m256i hb = f32_to_bf16_bits_vec(w);
-  const __m256 r = _mm256_sub_ps(w, _mm256_castsi256_ps(_mm256_slli_epi32(hb, 16)));  // exact
-  const __m256i k = _mm256_sub_epi32(_mm256_setzero_si256(), unit_exponent(hb, B));
-  const __m256i k1 = _mm256_min_epi32(k, _mm256_set1_epi32(127));
-  const __m256 x = _mm256_mul_ps(_mm256_mul_ps(r, pow2_vec(k1)), pow2_vec(_mm256_sub_epi32(k, k1)));
+  const __m256i delta = _mm256_sub_epi32(_mm256_castps_si256(w), _mm256_slli_epi32(hb, 16));  // [-32768, 32768]
+  __m256i q = delta;
+  if constexpr (s != 0) {  // master_err_round: floor((delta + 2^(s-1) - 1 + parity) / 2^s)
+    const __m256i parity = _mm256_and_si256(_mm256_srli_epi32(delta, s), _mm256_set1_epi32(1));
+    q = _mm256_srai_epi32(_mm256_add_epi32(delta, _mm256_add_epi32(parity, _mm256_set1_epi32((1 << (s - 1)) - 1))), s);
+  }
   const __m256i not_finite = _mm256_cmpeq_epi32(_mm256_and_si256(hb, _mm256_set1_epi32(0x7f80)), _mm256_set1_epi32(0x7f80));
-  const __m256i e = _mm256_andnot_si256(not_finite, _mm256_cvtps_epi32(x));  // nearest even (MXCSR default)
+  const __m256i e = _mm256_andnot_si256(not_finite, q);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), narrow_u32_to_u16(hb));
   const __m128i e16 = _mm_packs_epi32(_mm256_castsi256_si128(e), _mm256_extracti128_si256(e, 1));
   if constexpr (B == 7) _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<int8_t*>(err) + i), _mm_packs_epi16(e16, e16));

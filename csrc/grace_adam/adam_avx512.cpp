@@ -174,10 +174,6 @@ double sum_squares_block(const void* g, int64_t n) {
 // ---- the compact step: one group of kCompactGroup = 2 vectors at a time ---------------------
 // The operations of compact_group (adam_scalar.cpp) lane by lane; see adam_avx2.cpp.
 
-GRACE_ADAM_INLINE __m512 pow2_vec(__m512i k) {  // 2^k for k in [-126, 127]
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23));
-}
-
 GRACE_ADAM_INLINE __m512i f32_to_bf16_bits_vec(__m512 p) {  // f32_to_bf16_rne_vec before narrowing
   const __m512i bits = _mm512_castps_si512(p);
   const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
@@ -185,11 +181,6 @@ GRACE_ADAM_INLINE __m512i f32_to_bf16_bits_vec(__m512 p) {  // f32_to_bf16_rne_v
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
-}
-
-GRACE_ADAM_INLINE __m512i unit_exponent(__m512i hi_bits, int b) {  // max(E, 1) - kUnitBias - B
-  const __m512i biased = _mm512_and_si512(_mm512_srli_epi32(hi_bits, 7), _mm512_set1_epi32(0xff));
-  return _mm512_sub_epi32(_mm512_max_epi32(biased, _mm512_set1_epi32(1)), _mm512_set1_epi32(kUnitBias + b));
 }
 
 template <int B>
@@ -201,22 +192,22 @@ GRACE_ADAM_INLINE __m512i load_err(const void* err, int64_t i) {
 template <int B>
 GRACE_ADAM_INLINE __m512 master_decode_vec(const uint16_t* hi, const void* err, int64_t i) {
   const __m512i hb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + i)));
-  const __m512i j = unit_exponent(hb, B);
-  const __m512i j1 = _mm512_max_epi32(j, _mm512_set1_epi32(-126));
-  const __m512 e = _mm512_cvtepi32_ps(load_err<B>(err, i));
-  const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(e, pow2_vec(j1)), pow2_vec(_mm512_sub_epi32(j, j1)));
-  return _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(hb, 16)), scaled);
+  const __m512i delta = _mm512_slli_epi32(load_err<B>(err, i), master_err_shift(B));
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(hb, 16), delta));
 }
 
 template <int B>
 GRACE_ADAM_INLINE void master_encode_vec(__m512 w, uint16_t* hi, void* err, int64_t i) {
+  constexpr int s = master_err_shift(B);
   const __m512i hb = f32_to_bf16_bits_vec(w);
-  const __m512 r = _mm512_sub_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(hb, 16)));  // exact
-  const __m512i k = _mm512_sub_epi32(_mm512_setzero_si512(), unit_exponent(hb, B));
-  const __m512i k1 = _mm512_min_epi32(k, _mm512_set1_epi32(127));
-  const __m512 x = _mm512_mul_ps(_mm512_mul_ps(r, pow2_vec(k1)), pow2_vec(_mm512_sub_epi32(k, k1)));
+  const __m512i delta = _mm512_sub_epi32(_mm512_castps_si512(w), _mm512_slli_epi32(hb, 16));  // [-32768, 32768]
+  __m512i q = delta;
+  if constexpr (s != 0) {  // master_err_round
+    const __m512i parity = _mm512_and_si512(_mm512_srli_epi32(delta, s), _mm512_set1_epi32(1));
+    q = _mm512_srai_epi32(_mm512_add_epi32(delta, _mm512_add_epi32(parity, _mm512_set1_epi32((1 << (s - 1)) - 1))), s);
+  }
   const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(hb, _mm512_set1_epi32(0x7f80)), _mm512_set1_epi32(0x7f80));
-  const __m512i e = _mm512_maskz_mov_epi32(finite, _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m512i e = _mm512_maskz_mov_epi32(finite, q);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi32_epi16(hb));
   // saturating narrowing: the clamp to [-2^B, 2^B - 1]
   if constexpr (B == 7) _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int8_t*>(err) + i), _mm512_cvtsepi32_epi8(e));

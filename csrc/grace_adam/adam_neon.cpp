@@ -169,10 +169,6 @@ double sum_squares_block(const void* g, int64_t n) {
 // unit so that the 8-bit buffers load and store 8 bytes at once. The operations of compact_group
 // (adam_scalar.cpp) lane by lane; the narrowing moves saturate (the clamps).
 
-GRACE_ADAM_INLINE float32x4_t pow2_vec(int32x4_t k) {  // 2^k for k in [-126, 127]
-  return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(k, vdupq_n_s32(127)), 23));
-}
-
 GRACE_ADAM_INLINE uint32x4_t f32_to_bf16_bits_vec(float32x4_t p) {  // f32_to_bf16_rne_vec before narrowing
   const uint32x4_t bits = vreinterpretq_u32_f32(p);
   const uint32x4_t is_nan = vcgtq_u32(vandq_u32(bits, vdupq_n_u32(0x7fffffffu)), vdupq_n_u32(0x7f800000u));
@@ -181,27 +177,24 @@ GRACE_ADAM_INLINE uint32x4_t f32_to_bf16_bits_vec(float32x4_t p) {  // f32_to_bf
   return vbslq_u32(is_nan, vdupq_n_u32(0x7fc0u), rounded);
 }
 
-GRACE_ADAM_INLINE int32x4_t unit_exponent(uint32x4_t hi_bits, int b) {  // max(E, 1) - kUnitBias - B
-  const int32x4_t biased = vreinterpretq_s32_u32(vandq_u32(vshrq_n_u32(hi_bits, 7), vdupq_n_u32(0xffu)));
-  return vsubq_s32(vmaxq_s32(biased, vdupq_n_s32(1)), vdupq_n_s32(kUnitBias + b));
-}
-
+// master_decode_one lane by lane: (hi << 16) + (err << (15 - b)), integer only.
 GRACE_ADAM_INLINE float32x4_t master_decode_vec(uint32x4_t hb, int32x4_t e, int b) {
-  const int32x4_t j = unit_exponent(hb, b);
-  const int32x4_t j1 = vmaxq_s32(j, vdupq_n_s32(-126));
-  const float32x4_t scaled = vmulq_f32(vmulq_f32(vcvtq_f32_s32(e), pow2_vec(j1)), pow2_vec(vsubq_s32(j, j1)));
-  return vaddq_f32(vreinterpretq_f32_u32(vshlq_n_u32(hb, 16)), scaled);
+  const int32x4_t delta = vshlq_s32(e, vdupq_n_s32(master_err_shift(b)));
+  return vreinterpretq_f32_s32(vaddq_s32(vreinterpretq_s32_u32(vshlq_n_u32(hb, 16)), delta));
 }
 
 // master_encode_one lane by lane, before the clamp: (hi bits, err as int32).
 GRACE_ADAM_INLINE void master_encode_vec(float32x4_t w, int b, uint32x4_t& hb, int32x4_t& e) {
+  const int s = master_err_shift(b);
   hb = f32_to_bf16_bits_vec(w);
-  const float32x4_t r = vsubq_f32(w, vreinterpretq_f32_u32(vshlq_n_u32(hb, 16)));  // exact
-  const int32x4_t k = vnegq_s32(unit_exponent(hb, b));
-  const int32x4_t k1 = vminq_s32(k, vdupq_n_s32(127));
-  const float32x4_t x = vmulq_f32(vmulq_f32(r, pow2_vec(k1)), pow2_vec(vsubq_s32(k, k1)));
+  const int32x4_t delta = vreinterpretq_s32_u32(vsubq_u32(vreinterpretq_u32_f32(w), vshlq_n_u32(hb, 16)));  // [-32768, 32768]
+  int32x4_t q = delta;
+  if (s != 0) {  // master_err_round: floor((delta + 2^(s-1) - 1 + parity) / 2^s); vshlq by -s is an arithmetic shift
+    const int32x4_t parity = vandq_s32(vshlq_s32(delta, vdupq_n_s32(-s)), vdupq_n_s32(1));
+    q = vshlq_s32(vaddq_s32(delta, vaddq_s32(parity, vdupq_n_s32((1 << (s - 1)) - 1))), vdupq_n_s32(-s));
+  }
   const uint32x4_t not_finite = vceqq_u32(vandq_u32(hb, vdupq_n_u32(0x7f80u)), vdupq_n_u32(0x7f80u));
-  e = vbicq_s32(vcvtnq_s32_f32(x), vreinterpretq_s32_u32(not_finite));  // nearest even
+  e = vbicq_s32(q, vreinterpretq_s32_u32(not_finite));
 }
 
 template <int B, GradDtype GD, bool L2>

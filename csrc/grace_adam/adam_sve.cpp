@@ -243,39 +243,29 @@ double sum_squares_block_vla(const void* g, int64_t n) {
 // quantises them once the group's scales are known. The operations of compact_group
 // (adam_scalar.cpp) lane by lane.
 
-GRACE_ADAM_INLINE svfloat32_t pow2_vec(svbool_t pg, svint32_t k) {  // 2^k for k in [-126, 127]
-  return svreinterpret_f32_s32(svlsl_n_s32_x(pg, svadd_n_s32_x(pg, k, 127), 23));
-}
-
-GRACE_ADAM_INLINE svint32_t unit_exponent(svbool_t pg, svuint32_t hi_bits, int b) {  // max(E, 1) - kUnitBias - B
-  const svint32_t biased = svreinterpret_s32_u32(svand_n_u32_x(pg, svlsr_n_u32_x(pg, hi_bits, 7), 0xffu));
-  return svsub_n_s32_x(pg, svmax_n_s32_x(pg, biased, 1), kUnitBias + b);
-}
-
 template <int B>
 GRACE_ADAM_INLINE svint32_t load_err(svbool_t pg, const void* err, int64_t i) {
   if constexpr (B == 7) return svld1sb_s32(pg, static_cast<const int8_t*>(err) + i);
   else return svld1sh_s32(pg, static_cast<const int16_t*>(err) + i);
 }
 
+// master_decode_one lane by lane: (hi << 16) + (err << (15 - B)), integer only.
 template <int B>
 GRACE_ADAM_INLINE svfloat32_t master_decode_vec(svbool_t pg, svuint32_t hb, svint32_t e) {
-  const svint32_t j = unit_exponent(pg, hb, B);
-  const svint32_t j1 = svmax_n_s32_x(pg, j, -126);
-  const svfloat32_t scaled = svmul_f32_x(pg, svmul_f32_x(pg, svcvt_f32_s32_x(pg, e), pow2_vec(pg, j1)),
-                                         pow2_vec(pg, svsub_s32_x(pg, j, j1)));
-  return svadd_f32_x(pg, svreinterpret_f32_u32(svlsl_n_u32_x(pg, hb, 16)), scaled);
+  const svuint32_t delta = svlsl_n_u32_x(pg, svreinterpret_u32_s32(e), master_err_shift(B));
+  return svreinterpret_f32_u32(svadd_u32_x(pg, svlsl_n_u32_x(pg, hb, 16), delta));
 }
 
 template <int B>
 GRACE_ADAM_INLINE void master_encode_vec(svbool_t pg, svfloat32_t w, uint16_t* hi, void* err, int64_t i) {
+  constexpr int s = master_err_shift(B);
   const svuint32_t hb = f32_to_bf16_rne_vec(pg, w);
-  const svfloat32_t r = svsub_f32_x(pg, w, svreinterpret_f32_u32(svlsl_n_u32_x(pg, hb, 16)));  // exact
-  const svint32_t k = svneg_s32_x(pg, unit_exponent(pg, hb, B));
-  const svint32_t k1 = svmin_n_s32_x(pg, k, 127);
-  const svfloat32_t x = svmul_f32_x(pg, svmul_f32_x(pg, r, pow2_vec(pg, k1)), pow2_vec(pg, svsub_s32_x(pg, k, k1)));
-  // nearest even (svcvt alone truncates), clamped to [-2^B, 2^B - 1]; 0 where hi is inf or NaN
-  svint32_t e = svcvt_s32_f32_x(pg, svrintn_f32_x(pg, x));
+  svint32_t e = svreinterpret_s32_u32(svsub_u32_x(pg, svreinterpret_u32_f32(w), svlsl_n_u32_x(pg, hb, 16)));  // [-32768, 32768]
+  if constexpr (s != 0) {  // master_err_round: floor((delta + 2^(s-1) - 1 + parity) / 2^s)
+    const svint32_t parity = svand_n_s32_x(pg, svasr_n_s32_x(pg, e, s), 1);
+    e = svasr_n_s32_x(pg, svadd_s32_x(pg, e, svadd_n_s32_x(pg, parity, (1 << (s - 1)) - 1)), s);
+  }
+  // clamped to [-2^B, 2^B - 1]; 0 where hi is inf or NaN
   e = svmin_n_s32_x(pg, svmax_n_s32_x(pg, e, -(1 << B)), (1 << B) - 1);
   const svbool_t not_finite = svcmpeq_n_u32(pg, svand_n_u32_x(pg, hb, 0x7f80u), 0x7f80u);
   e = svsel_s32(not_finite, svdup_n_s32(0), e);

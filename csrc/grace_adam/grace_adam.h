@@ -186,13 +186,12 @@ inline void grad_copy_one(float& dst, float x) { dst = x; }
 inline void grad_accumulate_one(float& dst, float x) { dst = dst + x; }
 
 // ---- the compact state (superoffload_hf/host/compact.py defines the format) -----------------
-// Per element: master bf16 `hi` + err (int8, B = 7, or int16, B = 15) in units of
-// 2^(max(E,1) - 135 - B), E = hi's exponent field; exp_avg int8 and sqrt(exp_avg_sq) uint8 in
+// Per element: master bf16 `hi` + err (int8, B = 7, or int16, B = 15): the fp32 bits of the weight
+// minus hi's bits << 16, in units of 2^(15 - B) (master_decode_one); exp_avg int8 and sqrt(exp_avg_sq) uint8 in
 // groups of kCompactGroup with one bf16 scale per group. A buffer passed in starts a group at its
 // element 0; a caller that splits work splits at multiples of kCompactGroup.
 
 constexpr int64_t kCompactGroup = 32;
-constexpr int kUnitBias = 135;  // unit exponent = max(E, 1) - kUnitBias - B
 enum class ErrDtype : int { I8 = 0, I16 = 1 };
 
 // The six compact buffers of one flat range; the scales hold one entry per group.
@@ -225,33 +224,38 @@ inline float f32_from_bits(uint32_t u) {
   return f;
 }
 
-// 2^k for k in [-126, 127], exactly.
-inline float pow2f(int32_t k) { return f32_from_bits(static_cast<uint32_t>(k + 127) << 23); }
+// The master in integer bit space: bf16 round-to-nearest-even rounds the fp32 bit pattern (an
+// integer, sign-magnitude) to a multiple of 2^16, so delta = bits(w) - (bits(hi) << 16) lies in
+// [-32768, 32768] and encodes the remainder exactly (continuous across binade edges). err is delta
+// (B = 15, clamped) or rne(delta / 256) (B = 7, clamped); decode is one shift and one add.
+constexpr int master_err_shift(int b) { return 15 - b; }
 
 template <int B>
 inline float master_decode_one(uint16_t hi, int32_t err) {
-  const int32_t biased = (hi >> 7) & 0xff;
-  const int32_t j = (biased > 1 ? biased : 1) - kUnitBias - B;  // [-149, 113]
-  const int32_t j1 = j > -126 ? j : -126;
-  // err * 2^j in two exact steps (2^j alone may be a denormal), then one exact addition.
-  return bf16_to_f32(hi) + (static_cast<float>(err) * pow2f(j1)) * pow2f(j - j1);
+  const uint32_t delta = static_cast<uint32_t>(err) << master_err_shift(B);  // err * 2^(15-B), two's complement
+  return f32_from_bits((static_cast<uint32_t>(hi) << 16) + delta);
+}
+
+// rne(delta / 2^(15-B)) in integer arithmetic (an arithmetic shift is floor; bit 15-B of delta is
+// the parity of that floor), before the clamp.
+template <int B>
+inline int32_t master_err_round(int32_t delta) {
+  constexpr int s = master_err_shift(B);
+  if constexpr (s == 0) return delta;
+  else return (delta + ((1 << (s - 1)) - 1) + ((delta >> s) & 1)) >> s;
 }
 
 template <int B>
 inline void master_encode_one(float w, uint16_t& hi, int32_t& err) {
   hi = f32_to_bf16_rne(w);
-  const int32_t biased = (hi >> 7) & 0xff;
-  if (biased == 0xff) {  // hi is inf or NaN: no remainder
+  if ((hi & 0x7f80) == 0x7f80) {  // hi is inf or NaN: no remainder
     err = 0;
     return;
   }
-  const float r = w - bf16_to_f32(hi);  // exact
-  const int32_t k = kUnitBias + B - (biased > 1 ? biased : 1);  // [-113, 149]
-  const int32_t k1 = k < 127 ? k : 127;
-  const float x = (r * pow2f(k1)) * pow2f(k - k1);  // r / unit, exact
-  const float q = std::nearbyint(x);  // round half to even (the default rounding mode)
-  const float lo = -static_cast<float>(1 << B), hi_q = static_cast<float>((1 << B) - 1);
-  err = static_cast<int32_t>(q < lo ? lo : (q > hi_q ? hi_q : q));
+  const int32_t delta = static_cast<int32_t>(f32_bits(w) - (static_cast<uint32_t>(hi) << 16));  // [-32768, 32768]
+  const int32_t q = master_err_round<B>(delta);
+  const int32_t lo = -(1 << B), hi_q = (1 << B) - 1;
+  err = q < lo ? lo : (q > hi_q ? hi_q : q);
 }
 
 // bf16 round up (toward +inf) of a non-negative finite float: the least bf16 >= x.

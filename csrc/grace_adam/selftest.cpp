@@ -828,9 +828,10 @@ CompactState random_compact_state(int64_t n, ga::ErrDtype ed, uint64_t seed) {
   return s;
 }
 
+// The decode as compact.py writes it, in 64-bit integers: (bits(hi) << 16) + err * 2^(15 - B) mod 2^32.
 double master_decode_f64(uint16_t hi, int32_t err, int b) {
-  const int biased = (hi >> 7) & 0xff;
-  return static_cast<double>(ga::bf16_to_f32(hi)) + std::ldexp(static_cast<double>(err), std::max(biased, 1) - ga::kUnitBias - b);
+  const int64_t bits = (static_cast<int64_t>(hi) << 16) + static_cast<int64_t>(err) * (int64_t{1} << (15 - b));
+  return static_cast<double>(float_of(static_cast<uint32_t>(bits & 0xffffffffLL)));
 }
 
 // The format's properties on one compact state: master decode exact in fp32, all-zero groups

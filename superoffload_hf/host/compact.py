@@ -18,17 +18,24 @@ agree bitwise. The reference computes in float64 and rounds to fp32 after each o
 is the fp32 result: for + - * / sqrt because float64 has more than 2*24+2 bits; for fused
 multiply-adds by rounding the float64 sum to odd first (`fma_fp32`).
 
-Master (``B = 7`` for int8 err, ``15`` for int16)::
+Master (``B = 7`` for int8 err, ``15`` for int16), in integer bit space::
 
-    hi   = bf16 round-to-nearest-even(w)          (a NaN becomes the quiet NaN 0x7fc0)
-    r    = w - float(hi)                          (exact in fp32)
-    E    = the biased exponent field of hi (0..255),  Eu = max(E, 1)
-    unit = 2**(Eu - 135 - B)                      (half an ulp of hi, divided by 2**B)
-    err  = clamp(rne(r / unit), -2**B, 2**B - 1)  (r / unit is exact); err = 0 where E == 255
-    decode: w = float(hi) + err * unit            (exact in fp32: 8 + B + 1 significant bits)
+    hi    = bf16 round-to-nearest-even(w)         (a NaN becomes the quiet NaN 0x7fc0)
+    delta = bits(w) - (bits(hi) << 16)            (int32; in [-32768, 32768])
+    err   = clamp(rne(delta / 2**(15 - B)), -2**B, 2**B - 1);  err = 0 where hi is inf or NaN
+    decode: bits(w) = (bits(hi) << 16) + err * 2**(15 - B)   (integer shift and add, mod 2**32)
 
-so a weight is kept to 16 (compact) or 24 (compact32) significant bits; -0.0 decodes to +0.0; a
-weight so large that hi rounds to inf decodes to inf (the fp32 step would overflow there too).
+Rounding to nearest even to bf16 is rounding the fp32 bit pattern (an integer, sign-magnitude) to
+a multiple of 2**16, so delta is the rounding remainder in fp32 ulps of w, exactly, and continuous
+across binade edges (the bit patterns of one sign are ordered like the values). compact's err
+counts units of 2**8 fp32 ulps (1/128 of half an ulp of hi: "an int8 error term in half-ulps");
+compact32's err is delta itself (exact fp32 except the tie delta = +32768, clamped to 32767).
+This is equivalent in precision to a remainder ``r = w - hi`` counted in units of half an ulp of
+hi divided by 2**B (the unit is the same inside a binade, and half of it just below a power-of-two
+hi), so a weight is kept to 16 (compact) or 24 (compact32) significant bits, but decode and encode
+are integer shifts and adds only: no exponent extraction, no power-of-two scaling, no float
+multiplies. -0.0 decodes to -0.0; a weight so large that hi rounds to inf decodes to inf (the fp32
+step would overflow there too); every ISA computes the same integers, so all agree bitwise.
 
 Moments, per group of G elements (m and s = sqrt(v) after the update, both fp32)::
 
@@ -103,7 +110,7 @@ class CompactSpec:
 
     @property
     def err_bits(self) -> int:
-        """B: err counts units of half an ulp of hi divided by 2**B."""
+        """B: err holds B + 1 bits of the rounding remainder (units of 2**(15 - B) fp32 ulps of the weight)."""
         if self.err_dtype is None:
             raise ValueError(f"state precision {self.name!r} has no error term.")
         return 7 if self.err_dtype == torch.int8 else 15
@@ -162,10 +169,6 @@ def fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return to_fp32(s)
 
 
-def _pow2(exponent: torch.Tensor) -> torch.Tensor:
-    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent.to(torch.float64))
-
-
 def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16).to(torch.int32) & 0xFFFF
 
@@ -181,31 +184,39 @@ def _fp32_bits(x64: torch.Tensor) -> torch.Tensor:
 # ---- master -----------------------------------------------------------------------------------------
 
 
-def _unit_exponent(hi_bits: torch.Tensor, err_bits: int) -> tuple:
-    """(max(E, 1) - 135 - B, E == 255) of hi's bits."""
-    biased = (hi_bits >> 7) & 0xFF
-    return biased.clamp(min=1) - 135 - err_bits, biased == 0xFF
+def master_err_shift(err_bits: int) -> int:
+    """log2 of the fp32 bit-pattern units err counts: 8 for compact (int8), 0 for compact32 (int16)."""
+    return 15 - err_bits
 
 
 def encode_master(w: torch.Tensor, err_dtype: torch.dtype) -> tuple:
-    """(hi bf16, err) of fp32 weights w (module docstring)."""
+    """(hi bf16, err) of fp32 weights w (module docstring): all integer arithmetic on the bits."""
     w32 = w.to(torch.float32)
     hi = w32.to(torch.bfloat16)  # nearest even; torch's NaN bits vary by code path: made 0x7fc0
     hi = torch.where(torch.isnan(w32), _bf16_from_bits(torch.full(w32.shape, _NAN_BF16_BITS, dtype=torch.int32)), hi)
     bits_b = 7 if err_dtype == torch.int8 else 15
-    exponent, not_finite = _unit_exponent(_bf16_bits(hi), bits_b)
-    r = w32.to(torch.float64) - hi.to(torch.float64)  # exact
-    err = torch.round(r * _pow2(-exponent))  # exact product; round half to even
-    err = err.clamp(-(2**bits_b), 2**bits_b - 1)
-    err = torch.where(not_finite | torch.isnan(err), torch.zeros_like(err), err)
+    hi_bits = _bf16_bits(hi)
+    delta = w32.view(torch.int32).to(torch.int64) - ((hi_bits.to(torch.int64) << 16) - ((hi_bits.to(torch.int64) >> 15) << 32))
+    shift = master_err_shift(bits_b)
+    if shift:  # round half to even of delta / 2**shift: floor of (delta + 2**(shift-1) - 1 + parity)
+        delta = (delta + (2 ** (shift - 1) - 1) + ((delta >> shift) & 1)) >> shift
+    err = delta.clamp(-(2**bits_b), 2**bits_b - 1)
+    not_finite = (hi_bits & 0x7F80) == 0x7F80
+    err = torch.where(not_finite, torch.zeros_like(err), err)
     return hi, err.to(err_dtype)
 
 
-def decode_master_float64(hi: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
-    """hi + err * unit in float64: exact, and exactly an fp32 value."""
+def decode_master_bits(hi: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    """The fp32 bits (int32) of the decoded weight: (bits(hi) << 16) + err * 2**(15 - B), mod 2**32."""
     bits_b = 7 if err.dtype == torch.int8 else 15
-    exponent, _ = _unit_exponent(_bf16_bits(hi), bits_b)
-    return hi.to(torch.float64) + err.to(torch.float64) * _pow2(exponent)
+    bits = (_bf16_bits(hi).to(torch.int64) << 16) + err.to(torch.int64) * 2 ** master_err_shift(bits_b)
+    bits = bits & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+
+
+def decode_master_float64(hi: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    """The decoded weight (an fp32 value) in float64."""
+    return decode_master_bits(hi, err).view(torch.float32).to(torch.float64)
 
 
 # ---- moments ----------------------------------------------------------------------------------------
