@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,13 @@ def accelerate_config(tmp_path: Path, processes: int, superoffload: bool, block:
     return path
 
 
+def free_port() -> int:
+    """A port no one listens on now (pid-derived ports collided between concurrent test runs)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run(cmd: list, cwd: Path) -> None:
     result = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=240)
     if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
@@ -59,7 +67,7 @@ def launch(tmp_path: Path, processes: int, superoffload: bool, output: Path, *ex
     config = accelerate_config(tmp_path, processes, superoffload, block)
     launcher = ([sys.executable, "-m", "superoffload_hf.cli", "launch"] if superoffload
                 else [sys.executable, "-m", "accelerate.commands.launch"])
-    port = ["--main_process_port", str(29500 + (os.getpid() % 500) + processes + 2 * superoffload)]
+    port = ["--main_process_port", str(free_port())]
     run([*launcher, "--config_file", str(config), *(port if processes > 1 else []), str(script),
          "--output_dir", str(output), *(train_args or TRAIN_ARGS), *extra], tmp_path)
     return losses(output)
@@ -84,16 +92,17 @@ SAVE = ["--save_strategy", "steps", "--save_steps", "3"]
 def two_process_runs(tmp_path_factory):
     """The stock-Trainer script on 2 processes, through `superoffload launch` and through stock
     `accelerate launch` (DDP), 6 steps, a checkpoint at step 3; then each resumed from its
-    checkpoint on 1 process."""
+    checkpoint on 1 process, which saves a checkpoint of one process at step 6 (the save interval
+    is the checkpoint's)."""
     tmp = tmp_path_factory.mktemp("two_process_runs")
     runs = {}
     for superoffload in (True, False):
         out = tmp / f"run-{superoffload}"
         curve = launch(tmp, 2, superoffload, out, *SAVE)  # the later --save_strategy wins
-        resumed = launch(tmp, 1, superoffload, tmp / f"resumed-{superoffload}",
-                         "--resume_from_checkpoint", str(out / "checkpoint-3"))
+        one = tmp / f"resumed-{superoffload}"
+        resumed = launch(tmp, 1, superoffload, one, *SAVE, "--resume_from_checkpoint", str(out / "checkpoint-3"))
         runs[superoffload] = {"curve": curve, "resumed": [r for r in resumed if r["step"] > 3],
-                              "checkpoint": out / "checkpoint-3"}
+                              "checkpoint": out / "checkpoint-3", "one_process_checkpoint": one / "checkpoint-6"}
     return runs
 
 
@@ -115,22 +124,26 @@ def test_trainer_checkpoint_of_two_processes_resumes_on_one_as_stock_ddp_does(tw
 
 
 def test_torchrun_with_our_trainer(two_process_runs, tmp_path):
-    port = str(29600 + os.getpid() % 300)
+    port = str(free_port())
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
          str(OUR_SCRIPT), "--superoffload_config", json.dumps(BLOCK), "--output_dir", str(tmp_path / "out"),
          *TRAIN_ARGS, *SAVE], tmp_path)
     assert_same_curve(losses(tmp_path / "out"), two_process_runs[False]["curve"])
 
 
-def test_trainer_checkpoint_of_one_process_resumes_on_two_as_stock_ddp_does(tmp_path):
+def test_trainer_checkpoint_of_one_process_resumes_on_two_as_stock_ddp_does(two_process_runs, tmp_path):
+    # The checkpoint a 1-process run saved at step 6 (the fixture's resumed run), resumed on 2
+    # processes for 3 more steps.
     resumed = {}
     for superoffload in (True, False):
-        out = tmp_path / f"one-{superoffload}"
-        launch(tmp_path, 1, superoffload, out, *SAVE)
-        curve = launch(tmp_path, 2, superoffload, tmp_path / f"two-{superoffload}",
-                       "--resume_from_checkpoint", str(out / "checkpoint-3"))
-        resumed[superoffload] = [r for r in curve if r["step"] > 3]
-    assert [r["step"] for r in resumed[True]] == [4, 5, 6]
+        checkpoint = two_process_runs[superoffload]["one_process_checkpoint"]
+        if superoffload:  # one process: the plain optimizer.pt, no shards
+            names = sorted(p.name for p in checkpoint.iterdir())
+            assert "optimizer.pt" in names and not [n for n in names if n.startswith("optimizer.shard-")], names
+        curve = launch(tmp_path, 2, superoffload, tmp_path / f"two-{superoffload}", "--max_steps", "9",
+                       "--resume_from_checkpoint", str(checkpoint))
+        resumed[superoffload] = [r for r in curve if r["step"] > 6]
+    assert [r["step"] for r in resumed[True]] == [7, 8, 9]
     assert_same_curve(resumed[True], resumed[False])
 
 
