@@ -73,7 +73,7 @@ def test_the_resume_command_replaces_a_resume_or_an_overwrite_of_the_interrupted
 def test_ctrl_c_in_superoffload_launch_reports_the_checkpoint_and_the_resume_command_and_exits_130(tmp_path):
     out = tmp_path / "out"
     argv = ["launch", "--config_file", str(REPO / "recipes" / "accelerate" / "superoffload_cpu.yaml"),
-            "--num_processes", "1", str(REPO / "tests" / "scripts" / "stock_trainer_script.py"),
+            "--num_processes", "1", str(REPO / "examples" / "stock_trainer.py"),
             "--output_dir", str(out), "--max_steps", "100000", "--save_steps", "2", "--per_device_train_batch_size", "2",
             "--report_to", "none", "--use_cpu", "--disable_tqdm", "true"]
     # Its own process group, interrupted as a whole: what Ctrl-C in a terminal does.
