@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import platform
 
 import pytest
@@ -69,6 +71,9 @@ def device_mode(request, monkeypatch):
     monkeypatch.setenv(SIM_ENV_VAR, "1")
     with on_device(1):
         yield "sim"
+        # An optimizer the test left unclosed is closed by its finalizer: here, on its device, not
+        # during a later test whose thread is on device 0 (a SimRaceError there, blamed on that test).
+        gc.collect()
     sim = SimRuntime.shared()
     errors = list(sim.errors)
     SimRuntime.reset_shared()
