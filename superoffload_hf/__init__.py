@@ -5,11 +5,12 @@ from superoffload_hf.engine.plan import BucketPlan
 from superoffload_hf.metrics import OffloadCounters
 
 __all__ = ["BucketPlan", "ConfigError", "OffloadCounters", "SuperOffloadAdam", "SuperOffloadAdamW",
-           "SuperOffloadConfig"]
+           "SuperOffloadConfig", "patch_trainer", "unpatch_trainer"]
 __version__ = "0.1.0"
 
 # The Hugging Face integrations, imported on first use: importing the core (above) must not
-# import transformers or accelerate. `from superoffload_hf import TrainingArguments, Trainer`.
+# import transformers or accelerate. `from superoffload_hf import TrainingArguments, Trainer`, or
+# `superoffload_hf.patch_trainer()` for any Trainer subclass (TRL's).
 _INTEGRATIONS = {
     # the optimizers import torch: on first use, so that the CLI can set torch's OpenMP wait
     # policy before torch loads (superoffload_hf.cli.main)
@@ -19,6 +20,9 @@ _INTEGRATIONS = {
     "Trainer": "superoffload_hf.integrations.trainer",
     "SuperOffloadCallback": "superoffload_hf.integrations.callback",
     "SuperOffloadPlugin": "superoffload_hf.integrations.accelerate",
+    # any Trainer subclass (TRL's SFTTrainer, DPOTrainer, ...) in this process
+    "patch_trainer": "superoffload_hf.integrations.patch",
+    "unpatch_trainer": "superoffload_hf.integrations.patch",
 }
 
 

@@ -9,7 +9,8 @@ Active only in processes started by `superoffload launch`:
    reads the variable once and waits for `transformers.trainer` to be imported (an import hook;
    nothing is imported early, so the `accelerate launch` process itself is untouched).
 3. Right after `transformers.trainer` has been imported, `patch_trainer_class` wraps
-   `Trainer.__init__`: every Trainer built afterwards (subclasses included) gets the same
+   `Trainer.__init__` (patch.py, the wrapper the public `superoffload_hf.patch_trainer()`
+   installs in-process): every Trainer built afterwards (subclasses included) gets the same
    `SuperOffloadHooks` our own `Trainer` uses (optimizer creation, clipping, grad-norm
    reporting) and the `SuperOffloadCallback`. Nothing else in transformers is changed.
 
@@ -22,7 +23,6 @@ settings through `launch_plugin()` when its arguments do not turn superoffload o
 
 from __future__ import annotations
 
-import functools
 import importlib.abc
 import importlib.machinery
 import json
@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 from superoffload_hf.integrations import launch_env
 from superoffload_hf.integrations.launch_env import CONFIG_ENV_VAR, launch_plugin  # noqa: F401
+from superoffload_hf.integrations.patch import wrap_trainer_init
 
 TRAINER_MODULE = "transformers.trainer"
 
@@ -86,21 +87,9 @@ def _patch_trainer_module(module: Any) -> None:
 
 
 def patch_trainer_class(trainer_cls: type) -> None:
-    """Wrap `trainer_cls.__init__` so that each new Trainer gets superoffload (idempotent)."""
-    original_init = trainer_cls.__init__
-    if getattr(original_init, "_superoffload_patched", False):
-        return
-
-    @functools.wraps(original_init)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        from superoffload_hf.integrations.trainer_hooks import SuperOffloadHooks
-
-        if not getattr(self, "_superoffload_attaches_itself", False):  # ours: its own arguments first
-            SuperOffloadHooks(self, launch_plugin()).bind_to_trainer()
-
-    __init__._superoffload_patched = True
-    trainer_cls.__init__ = __init__
+    """Wrap `trainer_cls.__init__` so that each new Trainer gets superoffload with the launch
+    block (idempotent; patch.py, the same wrapper as the public `patch_trainer()`)."""
+    wrap_trainer_init(trainer_cls, launch_plugin)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
