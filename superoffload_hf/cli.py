@@ -492,6 +492,8 @@ class TrainSummary:
     resumed_from_step: Optional[int]
     host_state: Optional[str] = None
     """The optimizer's host state precision and bytes per parameter (None: the stock optimizer)."""
+    timeline: Optional[str] = None
+    """Where the step timeline was written (None: no `--timeline`)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -509,6 +511,7 @@ class TrainSummary:
             f"  skipped steps  {_or_na(self.skipped_steps)}",
             *([f"  host state     {self.host_state}"] if self.host_state is not None else []),
             f"  checkpoint     {self.checkpoint}",
+            *([f"  timeline       {self.timeline}"] if self.timeline is not None else []),
         ]
         return "\n".join(lines)
 
@@ -537,7 +540,16 @@ def _summarize(recipe: Recipe, args: Any, trainer: Any, output: Any, recorder: _
         checkpoint=checkpoint,
         resumed_from_step=recorder.start_step if recorder.start_step else None,
         host_state=_host_state(trainer),
+        timeline=_timeline(trainer),
     )
+
+
+def _timeline(trainer: Any) -> Optional[str]:
+    from superoffload_hf.integrations.callback import describe_timeline
+
+    hooks = getattr(trainer, "superoffload", None)
+    written = getattr(getattr(hooks, "callback", None), "timeline_written", None)
+    return describe_timeline(written) if written else None
 
 
 def _host_state(trainer: Any) -> Optional[str]:

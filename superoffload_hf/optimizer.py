@@ -156,6 +156,12 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         """The host Adam back end in use: `.name` ("cpp" or "reference"), `.isa`, `.threads`."""
         return self._engine.adam
 
+    @property
+    def host_is_device(self) -> bool:
+        """True when the CPU is the device: host jobs run inline, between backward's kernels, so
+        no host step overlaps the device's work (the `superoffload/overlap` log is left out)."""
+        return self._engine.runtime.host_is_device
+
     def host_state(self) -> str:
         """The host buckets' state precision and the bytes per parameter the Ledger holds for it,
         e.g. "compact 5.184 B/param" (config `state_precision`)."""

@@ -78,6 +78,22 @@ def test_train_with_timeline_writes_the_trace_and_the_picture_of_steps_2_and_3(t
     assert any(e.get("ph") == "X" and e["name"].startswith(("step b", "speculative step b")) for e in events)
     pytest.importorskip("matplotlib")
     assert (out.parent / "timeline" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    timeline = out.parent / "timeline"  # the summary says where it went
+    assert (f"  timeline       {timeline / 'trace.json'} (open in https://ui.perfetto.dev), "
+            f"{timeline / 'timeline.png'}\n") in proc.stdout, proc.stdout[-1500:]
+
+
+def test_train_prints_short_log_lines_and_keeps_every_counter_in_the_trainer_state(three_step_run):
+    out, proc = three_step_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in re.split(r"[\r\n]", proc.stdout + proc.stderr) if "'loss'" in line]
+    assert len(lines) == 3, lines
+    for line in lines:  # the progress bar's line: the stock keys and one short superoffload entry
+        line = line[line.index("{"):]
+        assert len(line) < 200 and "superoffload/" not in line and "'superoffload': 'host Adam " in line, line
+        assert "overlap" not in line  # the CPU is the device: nothing overlaps
+    records = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+    assert all("superoffload/host_step_s" in r and "superoffload/overlap" not in r for r in records if "loss" in r)
 
 
 def test_timeline_flag_needs_a_directory(capsys):

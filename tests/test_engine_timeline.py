@@ -93,6 +93,7 @@ class _TimedEvent:
 
 class _AsyncRuntime:
     is_async = True
+    host_is_device = False
 
     def __init__(self):
         self.recorded = []
@@ -192,3 +193,12 @@ def test_the_cost_models_choice_sets_the_auto_layout_within_the_device_memory_of
     plan = layout.learned_plan(log, choice, free_device_bytes=4 * budget)
     assert plan.num_device_buckets == 1
     assert layout.learned_plan(log, None, free_device_bytes=4 * 10**9).num_device_buckets == 0
+
+
+def test_on_the_cpu_device_the_timeline_says_why_the_copy_tracks_stay_empty(tmp_path):
+    from superoffload_hf.device.cpu import CpuRuntime
+    from superoffload_hf.perf.timeline import CPU_EMPTY_NOTES, D2H, H2D
+
+    cpu = StepObserver(CpuRuntime(), OffloadCounters(), tmp_path / "cpu")
+    assert cpu.timeline.empty_notes == CPU_EMPTY_NOTES and set(CPU_EMPTY_NOTES) == {D2H, H2D}
+    assert StepObserver(_AsyncRuntime(), OffloadCounters(), tmp_path / "async").timeline.empty_notes == {}

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from superoffload_hf.perf.timeline import (
-    D2H, DEVICE, H2D, HOST_ADAM, REPLAY, ROLLBACK, STEP, VALIDATION, Timeline,
+    COMMIT, CPU_EMPTY_NOTES, D2H, DEVICE, H2D, HOST_ADAM, REPLAY, ROLLBACK, STEP, TRACKS, VALIDATION, Timeline,
 )
 
 
@@ -139,3 +139,74 @@ def test_png_is_drawn(tmp_path):
     assert written["png"] == png
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def _crowded_cpu_steps(tl: Timeline, clock: FakeClock) -> None:
+    """What a CPU run records: no copies, host Adam inline, and the marks and the device's idle
+    gaps of different causes all within a fraction of a millisecond of each other."""
+    for step in (2, 3):
+        base = clock.t
+        ms = lambda x: base + x / 1e3  # noqa: E731
+        tl.begin_step(step)
+        tl.span(DEVICE, "forward + backward", ms(0), ms(50))
+        tl.span(HOST_ADAM, "step b1", ms(50.0), ms(50.2), bucket=1)
+        tl.span(VALIDATION, "step(): commit", ms(50.2), ms(50.3))
+        tl.instant(VALIDATION, ROLLBACK, ms(50.25))
+        tl.instant(VALIDATION, REPLAY, ms(50.26))
+        tl.instant(VALIDATION, COMMIT, ms(50.3))
+        tl.span(DEVICE, "forward", ms(50.4), ms(70))
+        tl.span(VALIDATION, "norms", ms(70.0), ms(70.3))
+        tl.span(DEVICE, "forward", ms(70.3), ms(70.5))
+        tl.span(DEVICE, "backward", ms(70.6), ms(100))  # a gap with nothing recorded in it
+        clock.t = ms(100)
+        tl.end_step()
+
+
+def test_png_captions_never_overlap_and_empty_tracks_say_they_are_empty_and_why(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    clock = FakeClock()
+    tl = Timeline.from_dir(tmp_path / "tl", steps=(2, 3), empty_notes=CPU_EMPTY_NOTES)
+    tl.clock = clock
+    _crowded_cpu_steps(tl, clock)
+    assert {w["cause"] for w in tl.device_waits()} == {HOST_ADAM, VALIDATION, "nothing recorded"}
+    fig = tl.figure()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    # Tick labels exist for ticks beyond the axis limits too; only those inside are drawn.
+    hidden = {id(tick.label1) for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim()))
+              for tick in axis.get_major_ticks() if not min(lo, hi) <= tick.get_loc() <= max(lo, hi)}
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in hidden]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    whole = fig.bbox
+    for k, (text, box) in enumerate(boxes):
+        assert whole.x0 <= box.x0 and box.x1 <= whole.x1 and whole.y0 <= box.y0 and box.y1 <= whole.y1, text
+        for other, other_box in boxes[k + 1:]:
+            assert not box.overlaps(other_box), (text, other)
+    shown = [text for text, _ in boxes]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
+        "step", "device compute", "device-to-host (empty)", "host Adam", "host-to-device (empty)", "validation"]
+    assert f"empty: {CPU_EMPTY_NOTES[D2H]}" in shown and f"empty: {CPU_EMPTY_NOTES[H2D]}" in shown
+    assert {"rollback (2)", "replay (2)", "commit (2)"} <= set(shown)
+    assert any(text.startswith(f"device idle, waiting for {HOST_ADAM}: 2x") for text in shown), shown
+    assert "superoffload step timeline, steps 2, 3" in shown
+    plt.close(fig)
+    assert tl.close()["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_empty_track_without_a_note_says_nothing_was_recorded():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    clock = FakeClock()
+    tl = Timeline(None, steps=(2,), clock=clock)
+    tl.begin_step(2)
+    tl.span(DEVICE, "backward", 100.0, 100.001)
+    tl.end_step()
+    fig = tl.figure()
+    notes = [t.get_text() for t in fig.axes[0].texts]
+    assert notes == ["empty: nothing was recorded on this track"] * (len(TRACKS) - 2)  # all but step and device
+    plt.close(fig)

@@ -149,7 +149,40 @@ def test_engine_counters_appear_in_every_training_log_record(tmp_path):
     assert train_logs(trainer)[-1][LOG_PREFIX + "skips"] == 0
     names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
     assert names.index("SuperOffloadCallback") == names.index("DefaultFlowCallback") + 1
-    assert names.index("SuperOffloadCallback") < names.index("PrinterCallback")
+    assert names.index("SuperOffloadCallback") < names.index("ShortPrinterCallback")
+
+
+class RecordLogs(TrainerCallback):
+    """A reporter's view: the `logs` every callback after ours gets."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False], ids=["PrinterCallback", "ProgressCallback"])
+def test_the_printed_log_line_is_short_while_records_and_reporters_keep_every_counter(tmp_path, capsys,
+                                                                                      device_mode, disable_tqdm):
+    from transformers import PrinterCallback, ProgressCallback
+
+    reporter = RecordLogs()
+    trainer = train(make_args(tmp_path, "offload", max_grad_norm=1.0, disable_tqdm=disable_tqdm),
+                    callbacks=[reporter])
+    printer = ProgressCallback if not disable_tqdm else PrinterCallback
+    assert trainer.pop_callback(printer) is not None  # still found by its stock class
+    lines = [line for line in capsys.readouterr().out.splitlines() if "'loss'" in line]
+    assert len(lines) == STEPS
+    for line, record, seen in zip(lines, train_logs(trainer), [r for r in reporter.logs if "loss" in r]):
+        assert len(line) < 200 and LOG_PREFIX not in line, line
+        assert f"'superoffload': 'host Adam {1e3 * record[LOG_PREFIX + 'host_step_s']:.3g} ms/step, " in line, line
+        assert f"rollbacks {record[LOG_PREFIX + 'rollbacks']}, skips 0'" in line, line
+        counters = {k: v for k, v in record.items() if k.startswith(LOG_PREFIX)}
+        assert len(counters) >= 8 and counters == {k: v for k, v in seen.items() if k.startswith(LOG_PREFIX)}
+        # On the CPU device host jobs run inline: nothing overlaps, so no overlap is reported.
+        assert (LOG_PREFIX + "overlap" in record) == (device_mode == "sim")
+        assert ("overlap " in line) == (device_mode == "sim")
 
 
 class RecordSynchronize(TrainerCallback):

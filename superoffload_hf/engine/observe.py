@@ -17,13 +17,17 @@ from __future__ import annotations
 
 from typing import Callable
 
-from superoffload_hf.perf.timeline import COMMIT, DEVICE, REPLAY, ROLLBACK, SKIP, VALIDATION, Timeline
+from superoffload_hf.perf.timeline import (
+    COMMIT, CPU_EMPTY_NOTES, DEVICE, REPLAY, ROLLBACK, SKIP, VALIDATION, Timeline,
+)
 
 
 class StepObserver:
     def __init__(self, runtime, counters, timeline_dir=None, timeline_steps=(2, 3)):
         self.runtime, self.counters = runtime, counters
-        self.timeline = Timeline.from_dir(timeline_dir, timeline_steps) if timeline_dir else Timeline.disabled()
+        notes = CPU_EMPTY_NOTES if runtime.host_is_device else None
+        self.timeline = (Timeline.from_dir(timeline_dir, timeline_steps, empty_notes=notes) if timeline_dir
+                         else Timeline.disabled())
         self.step_index = 0  # step() calls so far
         self.open = False
         self._opened_at = 0.0

@@ -12,16 +12,33 @@
 
 It must sit after DefaultFlowCallback (which decides `should_save`) and before the reporters
 and printers (which read the logs); `SuperOffloadHooks` inserts it there.
+
+The printed line stays short: `shorten_printed_logs` makes the Trainer's printer (the tqdm
+progress bar's `ProgressCallback`, or `PrinterCallback`) print the stock keys plus one
+`superoffload` summary (`short_summary`), while the log record and the reporters keep every
+`superoffload/*` value.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
-from transformers import TrainerCallback
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 LOG_PREFIX = "superoffload/"
+SUMMARY_KEY = "superoffload"  # the printed line's one entry in place of the superoffload/* keys
+
+logger = logging.getLogger(__name__)
+
+
+def describe_timeline(written: dict) -> str:
+    """Where the step timeline went, for people: the trace (and how to open it) and the PNG."""
+    parts = [f"{written['trace']} (open in https://ui.perfetto.dev)"]
+    parts.append(str(written["png"]) if "png" in written else "no timeline.png (matplotlib is not installed: "
+                                                              "pip install 'superoffload_hf[timeline]')")
+    return ", ".join(parts)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -44,13 +61,15 @@ class SuperOffloadCallback(TrainerCallback):
     `superoffload/thread_wait_s`: seconds per step the training thread blocked on the host worker
     (includes waiting for the device's own backward to deliver gradients), same mean;
     `superoffload/overlap`: 1 - device_wait / host_step over the last N steps, clamped to [0, 1]
-    (1.0: the host steps were fully hidden behind the device's work; absent while host_step is 0);
+    (1.0: the host steps were fully hidden behind the device's work; absent while host_step is 0,
+    and on the CPU device, where host jobs run inline and nothing overlaps);
     `superoffload/step_s`: the last step's wall time; `superoffload/predicted_step_s`: what the
     cost model predicted for the layout in use (after the first step);
     `superoffload/loss_scale`: the fp16 loss scale (fp16 only).
     """
 
     def __init__(self) -> None:
+        self.timeline_written: dict = {}  # the files the step timeline went to, once training ended
         self._grad_norm: Optional[torch.Tensor] = None
         self._counters_at_last_log: dict[str, float] = {}
 
@@ -82,7 +101,10 @@ class SuperOffloadCallback(TrainerCallback):
         _synchronize(optimizer)
         optimizer = unwrap_optimizer(optimizer)
         if optimizer is not None:
-            optimizer.write_timeline()  # config `timeline_dir` (superoffload train --timeline DIR)
+            written = optimizer.write_timeline()  # config `timeline_dir` (superoffload train --timeline DIR)
+            if written:
+                self.timeline_written = written
+                logger.info("superoffload: step timeline written: %s", describe_timeline(written))
 
     # ---- counters ----------------------------------------------------------------------------
 
@@ -116,11 +138,62 @@ class SuperOffloadCallback(TrainerCallback):
         if now["predicted_step_seconds"] > 0:
             values[LOG_PREFIX + "predicted_step_s"] = now["predicted_step_seconds"]
         values[LOG_PREFIX + "thread_wait_s"] = (now["thread_wait_seconds"] - last.get("thread_wait_seconds", 0.0)) / steps
-        if host_s > 0.0:
+        if host_s > 0.0 and not optimizer.host_is_device:
             values[LOG_PREFIX + "overlap"] = min(max(1.0 - wait_s / host_s, 0.0), 1.0)
         if float(optimizer.loss_scale) != 1.0:
             values[LOG_PREFIX + "loss_scale"] = float(optimizer.loss_scale)
         return values
+
+
+def short_summary(logs: dict) -> str:
+    """The `superoffload/*` values of a log record in a few words, for the printed line."""
+    def ms(key: str) -> str:
+        return f"{1e3 * logs[LOG_PREFIX + key]:.3g} ms"
+
+    parts = [f"host Adam {ms('host_step_s')}/step", f"device wait {ms('device_wait_s')}"]
+    if LOG_PREFIX + "overlap" in logs:
+        parts.append(f"overlap {logs[LOG_PREFIX + 'overlap']:.2f}")
+    parts += [f"rollbacks {logs[LOG_PREFIX + 'rollbacks']}", f"skips {logs[LOG_PREFIX + 'skips']}"]
+    if LOG_PREFIX + "loss_scale" in logs:
+        parts.append(f"loss scale {logs[LOG_PREFIX + 'loss_scale']:g}")
+    return ", ".join(parts)
+
+
+def printed_logs(logs: Optional[dict]) -> Optional[dict]:
+    """`logs` with its `superoffload/*` values folded into one short `superoffload` entry."""
+    if not logs or LOG_PREFIX + "host_step_s" not in logs:
+        return logs
+    printed = {k: v for k, v in logs.items() if not k.startswith(LOG_PREFIX)}
+    printed[SUMMARY_KEY] = short_summary(logs)
+    return printed
+
+
+class _PrintsShortLogs:
+    """Mixed into the Trainer's printers: they print `printed_logs(logs)`; the `logs` dict the
+    other callbacks see is left whole."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return super().on_log(args, state, control, logs=printed_logs(logs), **kwargs)
+
+
+class ShortProgressCallback(_PrintsShortLogs, ProgressCallback):
+    pass
+
+
+class ShortPrinterCallback(_PrintsShortLogs, PrinterCallback):
+    pass
+
+
+_SHORT = {ProgressCallback: ShortProgressCallback, PrinterCallback: ShortPrinterCallback}
+
+
+def shorten_printed_logs(callbacks: list) -> None:
+    """Make the Trainer's own printer print short lines. The instance stays (its progress bar,
+    `remove_callback(ProgressCallback)` still finds it): only its class becomes the subclass."""
+    for callback in callbacks:
+        short = _SHORT.get(type(callback))
+        if short is not None:
+            callback.__class__ = short
 
 
 def _synchronize(optimizer: Any) -> None:

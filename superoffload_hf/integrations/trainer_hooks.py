@@ -25,7 +25,7 @@ from superoffload_hf.integrations.accelerate import (
     decay_param_groups,
     wrap_optimizer,
 )
-from superoffload_hf.integrations.callback import SuperOffloadCallback, unwrap_optimizer
+from superoffload_hf.integrations.callback import SuperOffloadCallback, shorten_printed_logs, unwrap_optimizer
 from superoffload_hf.engine.shard_checkpoint import shard_files
 from superoffload_hf.integrations import launch_env
 from superoffload_hf.integrations.resume import interrupted_report, load_weights_only, resolve_resume
@@ -59,6 +59,7 @@ class SuperOffloadHooks:
         self.plugin = plugin
         self.callback = SuperOffloadCallback()
         insert_after_flow_callback(trainer.callback_handler.callbacks, self.callback)
+        shorten_printed_logs(trainer.callback_handler.callbacks)  # the superoffload/* keys stay in the records
 
     @property
     def trainer(self) -> HFTrainer:

@@ -35,6 +35,11 @@ TRACKS = (STEP, DEVICE, D2H, HOST_ADAM, H2D, VALIDATION)
 """Tracks in display order; other names are allowed and are shown after these."""
 ROLLBACK, REPLAY, SKIP, COMMIT = "rollback", "replay", "skip", "commit"
 """Names of the validation instants the engine marks."""
+CPU_EMPTY_NOTES = {
+    D2H: "the device is the CPU, backward's gradients are read where they are",
+    H2D: "the device is the CPU, the parameters are updated in place",
+}
+"""Why the copy tracks stay empty when the CPU is the device (engine/observe.py passes them)."""
 
 TRACE_FILE, PNG_FILE = "trace.json", "timeline.png"
 _PID = 1
@@ -52,9 +57,11 @@ class Event:
 
 class Timeline:
     def __init__(self, directory: Union[str, Path, None] = None, steps: Optional[Iterable[int]] = (2, 3),
-                 enabled: bool = True, clock=time.perf_counter):
+                 enabled: bool = True, clock=time.perf_counter, empty_notes: Optional[dict] = None):
         """`steps`: the optimizer steps to record (None: every step). `directory`: where
-        `close()` writes; None: only `write(directory)` writes."""
+        `close()` writes; None: only `write(directory)` writes. `empty_notes`: track -> why it
+        may stay empty (the picture says so when it does)."""
+        self.empty_notes = dict(empty_notes or {})
         self.directory = Path(directory) if directory is not None else None
         self.steps = None if steps is None else frozenset(int(s) for s in steps)
         self.enabled = enabled
@@ -68,9 +75,10 @@ class Timeline:
         self._step_start = 0.0
 
     @classmethod
-    def from_dir(cls, directory: Union[str, Path], steps: Optional[Iterable[int]] = (2, 3)) -> "Timeline":
+    def from_dir(cls, directory: Union[str, Path], steps: Optional[Iterable[int]] = (2, 3),
+                 empty_notes: Optional[dict] = None) -> "Timeline":
         """A recorder that writes DIR/trace.json and DIR/timeline.png on `close()`."""
-        return cls(directory, steps)
+        return cls(directory, steps, empty_notes=empty_notes)
 
     @classmethod
     def disabled(cls) -> "Timeline":
@@ -210,38 +218,77 @@ class Timeline:
             import matplotlib.pyplot as plt
         except ImportError:
             return False
+        fig = self.figure()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return True
+
+    def figure(self):
+        """The picture as a matplotlib Figure: one row per track (every standard track, an empty
+        one labelled as such), the device's idle gaps hatched, the validation instants as marks.
+        Every caption is in the legend below the axes, so no two captions can overlap."""
+        import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+        from matplotlib.transforms import blended_transform_factory
+
         events = self.events()
         origin = min((e.start_s for e in events), default=0.0)
-        tracks = _ordered_tracks(events)
+        tracks = list(TRACKS) + [t for t in _ordered_tracks(events) if t not in TRACKS]
+        used = {e.track for e in events}
         row = {t: len(tracks) - 1 - i for i, t in enumerate(tracks)}
-        colors = {STEP: "#d0d0d0", DEVICE: "#4c72b0", D2H: "#55a868", HOST_ADAM: "#dd8452", H2D: "#8172b2",
-                  VALIDATION: "#c44e52"}
-        fig, ax = plt.subplots(figsize=(14, 1.0 + 0.6 * len(tracks)))
+        fig, ax = plt.subplots(figsize=(14, 2.2 + 0.55 * len(tracks)), layout="constrained")
         for e in events:
             if e.end_s is None:
                 continue
             x, w = (e.start_s - origin) * 1e3, (e.end_s - e.start_s) * 1e3
-            ax.broken_barh([(x, max(w, 1e-3))], (row[e.track] - 0.4, 0.8), facecolors=colors.get(e.track, "#937860"),
+            ax.broken_barh([(x, max(w, 1e-3))], (row[e.track] - 0.4, 0.8), facecolors=_COLORS.get(e.track, "#937860"),
                            edgecolors="white", linewidth=0.3)
+        handles, marks = [], {}
         for e in events:
             if e.end_s is None:
                 x = (e.start_s - origin) * 1e3
-                color = "red" if e.name in (ROLLBACK, SKIP) else "black"
+                color = _MARK_COLORS.get(e.name, "#555555")
                 ax.plot([x, x], [row[e.track] - 0.45, row[e.track] + 0.45], color=color, linewidth=1.5)
-                ax.annotate(e.name, (x, row[e.track] + 0.45), fontsize=7, color=color, rotation=30)
+                marks[e.name] = marks.get(e.name, 0) + 1
+        for name, count in marks.items():
+            handles.append(Line2D([], [], color=_MARK_COLORS.get(name, "#555555"), linewidth=1.5,
+                                  label=f"{name} ({count})"))
+        idle: dict[str, list[float]] = {}
         for wait in self.device_waits():
             x, w = (wait["start_s"] - origin) * 1e3, (wait["end_s"] - wait["start_s"]) * 1e3
             ax.broken_barh([(x, w)], (row[DEVICE] - 0.4, 0.8), facecolors="none", edgecolors="red", hatch="///",
                            linewidth=0.5)
-            ax.annotate(f"waits: {wait['cause']}", (x, row[DEVICE] - 0.55), fontsize=7, color="red")
-        ax.set_yticks(list(row.values()), list(row.keys()))
+            idle.setdefault(wait["cause"], []).append(w)
+        for cause, widths in sorted(idle.items(), key=lambda item: -sum(item[1])):
+            what = f"waiting for {cause}" if cause != "nothing recorded" else "nothing recorded meanwhile"
+            handles.append(Patch(facecolor="none", edgecolor="red", hatch="///",
+                                 label=f"device idle, {what}: {len(widths)}x, {sum(widths):.3g} ms"))
+        text_row = blended_transform_factory(ax.transAxes, ax.transData)
+        labels = []
+        for t in tracks:
+            if t in used:
+                labels.append(t)
+                continue
+            labels.append(f"{t} (empty)")
+            why = self.empty_notes.get(t, "nothing was recorded on this track")
+            ax.text(0.5, row[t], f"empty: {why}", transform=text_row, ha="center", va="center", fontsize=8,
+                    color="#777777", style="italic")
+        ax.set_yticks(list(row.values()), labels)
+        ax.set_ylim(-0.6, len(tracks) - 0.4)
         ax.set_xlabel("ms since the first recorded step began")
-        ax.set_title("superoffload step timeline (hatched: the device idle, and what it waited for)")
+        steps = ", ".join(str(step) for step, _, _ in self._windows) or "none recorded"
+        ax.set_title(f"superoffload step timeline, steps {steps}")
         ax.grid(axis="x", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return True
+        if handles:
+            fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 3), fontsize=8,
+                       frameon=False)
+        return fig
+
+
+_COLORS = {STEP: "#d0d0d0", DEVICE: "#4c72b0", D2H: "#55a868", HOST_ADAM: "#dd8452", H2D: "#8172b2",
+           VALIDATION: "#c44e52"}
+_MARK_COLORS = {COMMIT: "black", ROLLBACK: "red", REPLAY: "#ff7f0e", SKIP: "#cc00cc"}
 
 
 def _ordered_tracks(events: list[Event]) -> list[str]:
