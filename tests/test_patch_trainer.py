@@ -159,10 +159,16 @@ def test_a_subclass_that_inherits_its_init_is_patched_on_its_own_and_unpatched_b
     superoffload_hf.patch_trainer(speculation="off")
     superoffload_hf.patch_trainer(MySFTTrainer, speculation="on")
     assert "__init__" in vars(MySFTTrainer)
-    mine = MySFTTrainer(model=model(), args=trl.SFTConfig(max_length=16, **common_args(tmp_path, "mine", 1.0)),
-                        train_dataset=datasets.Dataset.from_dict({"text": ["the sea"] * 4}),
-                        processing_class=word_tokenizer())
-    assert mine.superoffload.plugin.speculation == "on"
+    def mine():
+        return MySFTTrainer(model=model(), args=trl.SFTConfig(max_length=16, **common_args(tmp_path, "mine", 1.0)),
+                            train_dataset=datasets.Dataset.from_dict({"text": ["the sea"] * 4}),
+                            processing_class=word_tokenizer())
+
+    assert mine().superoffload.plugin.speculation == "on"
+    assert superoffload_hf.unpatch_trainer() is True  # the base: MySFTTrainer keeps its own patch
+    trainer = mine()
+    assert trainer.superoffload.plugin.speculation == "on"
+    assert [type(cb).__name__ for cb in trainer.callback_handler.callbacks].count("SuperOffloadCallback") == 1
     assert superoffload_hf.unpatch_trainer(MySFTTrainer) is True
     assert "__init__" not in vars(MySFTTrainer)  # inherits again
 

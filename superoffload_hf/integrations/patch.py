@@ -42,7 +42,6 @@ def patch_trainer(trainer_cls: Optional[type] = None, *, config: Any = None, **f
     Returns the settings, a `SuperOffloadPlugin`.
     """
     from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
-
     from superoffload_hf.integrations.trainer_hooks import check_hook_points
 
     trainer_cls = _trainer_class(trainer_cls)
@@ -77,11 +76,13 @@ def wrap_trainer_init(trainer_cls: type, settings: Callable[[], Any]) -> None:
         getattr(own_init, PATCH_MARK).settings = settings
         return
     patch = _Patch(settings, own_init)
-    original_init = trainer_cls.__init__
 
-    @functools.wraps(original_init)
+    @functools.wraps(own_init or trainer_cls.__init__)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
+        if patch.own_init is not None:
+            patch.own_init(self, *args, **kwargs)
+        else:  # the inherited one, looked up now: a base unpatched later is stock here too
+            super(trainer_cls, self).__init__(*args, **kwargs)
         _bind(self, patch.settings())
 
     setattr(__init__, PATCH_MARK, patch)
