@@ -31,9 +31,16 @@ def test_a_key_typo_in_the_file_is_still_blamed_on_the_file(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"superoffload train: error: {recipe}: Unknown key `training.learning_rat`")
 
 
-def test_a_superoffload_key_typo_gets_a_did_you_mean():
+def test_a_superoffload_key_typo_gets_a_did_you_mean(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"Did you mean `host_threads` for `host_thread`\?"):
         SuperOffloadConfig.from_dict({"host_thread": 2})
+    # the same from each place a `superoffload:` block is written: the command line, a recipe file
+    assert main(["train", TINY, "--superoffload.host_thread", "2", "--dry-run"]) == 2
+    assert "Did you mean `host_threads` for `host_thread`?" in capsys.readouterr().err
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base: {TINY}\nsuperoffload:\n  speculaton: on\n")
+    assert main(["train", str(recipe), "--dry-run"]) == 2
+    assert "Did you mean `speculation` for `speculaton`?" in capsys.readouterr().err
 
 
 def test_export_optimizer_help_prints_its_usage_and_succeeds(capsys):
