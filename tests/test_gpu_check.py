@@ -16,35 +16,40 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["env", "gpu_tests", "gpu_tests_sanitizer", "train_llama", "host_adam", "link"]
+# (script, its budget variable, its stages in order): both prepared runs plan their 9 minutes
+SCRIPTS = [("gpu_check.sh", "GPU_CHECK_BUDGET_S", STAGES), ("gpu_peers.sh", "GPU_PEERS_BUDGET_S", ["install", "peers", "e2e"])]
 
 
-def _plan(budget=None, tmp_path=None):
-    env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_BUDGET_S"}
+def _plan(budget=None, tmp_path=None, script="gpu_check.sh", var="GPU_CHECK_BUDGET_S"):
+    env = {k: v for k, v in os.environ.items() if k != var}
     if budget is not None:
-        env["GPU_CHECK_BUDGET_S"] = str(budget)
+        env[var] = str(budget)
     if tmp_path is not None:
         env["OUT"] = str(tmp_path / "out")
-    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--plan"], env=env,
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / script), "--plan"], env=env,
                           capture_output=True, text=True, timeout=60)
 
 
-def test_the_gpu_plan_gives_every_stage_its_cap_within_nine_minutes_in_order_of_value():
-    proc = _plan()
+@pytest.mark.parametrize("script, var, stages", SCRIPTS, ids=[s for s, _, _ in SCRIPTS])
+def test_the_gpu_plan_gives_every_stage_its_cap_within_nine_minutes_in_order_of_value(script, var, stages):
+    proc = _plan(script=script, var=var)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     plan = re.fullmatch(r"plan: (.*) s, \+ (\d+) s kill grace per stage \+ (\d+) s reserve = (\d+) s of a (\d+) s "
                         r"budget", proc.stdout.strip())
     assert plan, proc.stdout
     caps = [(name, int(cap)) for name, cap in (part.split() for part in plan[1].split(" + "))]
     grace, reserve, total, budget = (int(plan[i]) for i in range(2, 6))
-    assert [name for name, _ in caps] == STAGES and budget == 540  # the order of value; 9 minutes
+    assert [name for name, _ in caps] == stages and budget == 540  # the order of value; 9 minutes
     assert total == sum(cap + grace for _, cap in caps) + reserve <= budget
     assert all(cap >= 20 for _, cap in caps)
 
 
-def test_a_plan_over_its_budget_is_refused_before_any_stage_runs(tmp_path):
-    proc = _plan(budget=300, tmp_path=tmp_path)
+@pytest.mark.parametrize("script, var, stages", SCRIPTS, ids=[s for s, _, _ in SCRIPTS])
+def test_a_plan_over_its_budget_is_refused_before_any_stage_runs(tmp_path, script, var, stages):
+    proc = _plan(budget=300, tmp_path=tmp_path, script=script, var=var)
     assert proc.returncode == 2
-    assert "plan does not fit: 540 s > 300 s" in proc.stderr and "GPU_CHECK_BUDGET_S" in proc.stderr
+    assert re.search(r"plan does not fit: \d+ s > 300 s", proc.stderr), proc.stderr
+    assert var in proc.stderr and script in proc.stderr
     assert not (tmp_path / "out").exists()
 
 

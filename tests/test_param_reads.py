@@ -222,3 +222,43 @@ def test_save_pretrained_of_a_compiled_model_right_after_step_writes_the_updated
     saved = load_file(str(tmp_path / "model.safetensors"))
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(saved[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_write_through_a_parameter_while_its_copy_back_is_pending_is_refused_naming_synchronize(device_mode):
+    """The engine's own check (waits.py), on any device: a write through the parameter or
+    `.detach()` between step() and the landing of its copy-back moves its version. Done from a
+    user thread here, where the simulator's main-thread dispatch check does not look."""
+    import threading
+
+    if device_mode != "sim":
+        pytest.skip("nothing is in flight after step() on the CPU device")
+    model = Attention()
+    opt = offload(model)
+    train(model, opt, 2)
+    pending = copy_backs_issued(opt)
+    writer = threading.Thread(target=lambda: pending[0].detach().mul_(0.5))
+    writer.start()
+    writer.join()
+    with pytest.raises(RuntimeError, match=r"written between optimizer\.step\(\) and the next forward.*"
+                                           r"optimizer\.synchronize\(\)"):
+        opt.synchronize()
+    opt.synchronize()  # reported once; the optimizer goes on
+    x, _ = batch(5, model)
+    model(x)  # nothing left armed: the next forward runs
+
+
+def test_a_retained_graph_is_refused_after_step_as_torch_optim_refuses_it():
+    """step() bumps each updated parameter's autograd version as torch.optim's in-place update
+    does (the engine writes through `.data`, and on the CPU the kernel writes the master the
+    parameters are views of), so backward through a graph kept from before the step raises."""
+    for make in (lambda m: torch.optim.AdamW(m.parameters(), lr=LR), offload):
+        model = Attention()
+        opt = make(model)
+        x, y = batch(0, model)
+        loss = loss_of(model, x, y)
+        loss.backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        if hasattr(opt, "close"):
+            opt.close()

@@ -181,7 +181,8 @@ class Transfer:
             # copy starts only after the previous copy-back's reads of the buffer have run.
             rt.copy_(staged_dev, src_host)
             for p, offset in zip(params, offsets):
-                rt.copy_(p.detach(), staged_dev[offset:offset + p.numel()].view(p.shape))  # casts
+                # through .data: the engine's own write leaves p's version to step() (waits.py)
+                rt.copy_(p.data, staged_dev[offset:offset + p.numel()].view(p.shape))  # casts
                 if self._keeps("param_record_stream"):  # p may be freed or replaced (model.to())
                     rt.record_stream(p.detach(), self.h2d)  # before the next forward waits
             done = rt.new_event()

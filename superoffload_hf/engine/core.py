@@ -241,6 +241,7 @@ class Engine:
         self.committer.apply(decision)
         self.committer.account(decision)
         self.observer.step_ends(started, decision, self.step_state)
+        updated = [] if decision.kind == "skip" else [rt for rt in self.buckets.host() if any(rt.present)]
         for rt in self.runtimes:
             if rt.state is BucketState.VALIDATED:
                 rt.move(BucketState.RETURNING)
@@ -248,6 +249,7 @@ class Engine:
         self.step_state.reset()
         if self.fire_log is not None and self.fire_log.order:
             self._learn()
+        self.waiter.arm_write_check(updated)
         if self.step_returns_early:
             self.waiter.inflight = {rt for rt in self.buckets.host() if rt.state is BucketState.RETURNING}
             if not self.reads.learned:

@@ -408,7 +408,8 @@ class DataParallel:
                 self.coll.all_gather(src.to(dtype), flat_host)
                 runtime.copy_(flat_dev, flat_host)
             for p, slot in zip(rt.params, rt.bucket.slots):
-                runtime.copy_(p.detach(), BucketBuffers.view(flat_dev, slot).view(p.shape))
+                # through .data: the engine's own write leaves p's version to step() (waits.py)
+                runtime.copy_(p.data, BucketBuffers.view(flat_dev, slot).view(p.shape))
                 runtime.record_stream(p.detach(), transfer.h2d)
             done = runtime.new_event()
             done.record(transfer.h2d)

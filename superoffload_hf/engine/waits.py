@@ -5,6 +5,14 @@ copy-backs a forward is about to read.
 was issued that it has not waited for, or the bucket was stepped speculatively before step()
 (a forward then must see the weights of before the step: the bucket is re-opened, i.e. rolled
 back, first).
+
+Writes between step() and the landing of a copy-back race with it (on CUDA the copy-back's side
+stream and the write's compute stream are unordered). The engine writes parameters through `.data`
+aliases, which leave their autograd version counters alone; step() bumps each returning parameter's
+version once (as torch.optim's in-place step does, so a retained graph still refuses to reuse it) and
+records it. A version that moved by landing time is a write through the parameter, `.detach()` or a
+view (`with torch.no_grad(): p.copy_(x)`, `p.detach().mul_(...)`): refused, naming
+`optimizer.synchronize()`. A write through `p.data` has its own counter and cannot be seen here.
 """
 
 from __future__ import annotations
@@ -18,6 +26,14 @@ import torch
 from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
 from superoffload_hf.engine.reads import ModuleReads
 
+WRITE_IN_FLIGHT = (
+    "parameter {slot} of bucket {bucket} (shape {shape}) was written between optimizer.step() and "
+    "the next forward, while the step's updated weights were still being copied into it: the write "
+    "and the copy race, and one of them is lost. Call optimizer.synchronize() after step() and before "
+    "writing parameters directly (an EMA, `p.copy_(...)` under no_grad); forwards, state_dict() and "
+    "load_state_dict() wait by themselves."
+)
+
 
 class Waiter:
     def __init__(self, buckets, worker, transfer, observer, reopen: Callable[[BucketRuntime], None],
@@ -26,6 +42,26 @@ class Waiter:
         self.reads = reads
         self.reopen = reopen
         self.inflight: set[BucketRuntime] = set()
+        self.versions: dict[BucketRuntime, list[int]] = {}  # armed by step(), checked at landing
+
+    def arm_write_check(self, updated: Iterable[BucketRuntime]) -> None:
+        """Training thread, end of step(): each updated host bucket's parameters get their version
+        bumped once for the step's update (see the module docstring), and it is recorded: what it
+        must still be when the bucket's copy-back lands."""
+        self.versions.clear()
+        for rt in updated:
+            for p in rt.params:
+                torch.autograd.graph.increment_version(p)
+            self.versions[rt] = [p._version for p in rt.params]
+
+    def _check_no_write(self, rt: BucketRuntime) -> None:
+        expected = self.versions.pop(rt, None)
+        if expected is None:
+            return
+        for k, (p, version) in enumerate(zip(rt.params, expected)):
+            if p._version != version:
+                self.versions.clear()
+                raise RuntimeError(WRITE_IN_FLIGHT.format(slot=k, bucket=rt.bucket.index, shape=tuple(p.shape)))
 
     def wait(self, event, why: str = "host work") -> None:
         if not event.is_set():
@@ -57,6 +93,7 @@ class Waiter:
         # queued on the compute stream, not blocking; timed with events (device idle)
         self.observer.around_device_wait(lambda: self.transfer.wait_device(rt.h2d_event))
         self.inflight.discard(rt)
+        self._check_no_write(rt)
         if rt.state is BucketState.RETURNING:
             rt.move(BucketState.IDLE)
 
@@ -68,3 +105,7 @@ class Waiter:
             if rt.state is BucketState.RETURNING:
                 rt.move(BucketState.IDLE)
         self.inflight.clear()
+        armed, self.versions = self.versions, {}
+        for rt, expected in armed.items():
+            self.versions[rt] = expected
+            self._check_no_write(rt)
