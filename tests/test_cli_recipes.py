@@ -28,6 +28,14 @@ def test_a_derived_shipped_recipe_finds_its_base_by_name(tmp_path, monkeypatch, 
     assert yaml.safe_load(capsys.readouterr().out.split("\nmemory:")[0])["superoffload"] is False
 
 
+def test_a_user_recipe_derives_from_a_shipped_recipe_by_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("base: tiny_llama_cpu\ntraining:\n  max_steps: 7\n")
+    assert main(["train", "mine.yaml", "--dry-run"]) == 0, capsys.readouterr().err
+    printed = yaml.safe_load(capsys.readouterr().out.split("\nmemory:")[0])
+    assert printed["model"]["config"]["hidden_size"] == 128 and printed["training"]["max_steps"] == 7
+
+
 def test_recipes_lists_every_shipped_recipe_with_what_it_trains(capsys):
     assert main(["recipes"]) == 0
     printed = capsys.readouterr().out

@@ -11,7 +11,7 @@ Every recipe in `recipes/` has the same five top-level sections::
     training:     any transformers TrainingArguments field; output_dir is required
     superoffload: SuperOffloadConfig fields ({} for the defaults), or false for the stock optimizer
 
-A recipe may start with `base: parent.yaml` (relative to the recipe) and hold only the keys
+A recipe may start with `base: parent.yaml` (relative to the recipe, or a shipped recipe's name) and hold only the keys
 it changes: mappings merge key by key, other values replace, and null removes a parent's key.
 
 Command-line overrides (`--training.max_steps 5`, `--data.seq_len=64`) replace single keys
@@ -534,7 +534,12 @@ def read_recipe_yaml(path: Path, derived_from: tuple[Path, ...] = ()) -> dict[st
         return raw
     if not isinstance(base, str):
         raise RecipeError(f"`base` is {base!r} in {str(path)!r}; expected the path of the parent recipe.")
-    return merge_recipes(read_recipe_yaml(path.parent / base, derived_from + (path.resolve(),)), raw)
+    parent = path.parent / base
+    if not parent.is_file():  # `base: tiny_llama_cpu`: a shipped recipe by name
+        from superoffload_hf.train.catalog import resolve_recipe
+
+        parent = resolve_recipe(base)
+    return merge_recipes(read_recipe_yaml(parent, derived_from + (path.resolve(),)), raw)
 
 
 def merge_recipes(base: Mapping[str, Any], derived: Mapping[str, Any]) -> dict[str, Any]:
