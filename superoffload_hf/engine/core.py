@@ -91,11 +91,6 @@ class Engine:
                                     inline_host=self.runtime.host_is_device and collectives is None)
         self.dp: Optional[DataParallel] = None  # built below, from the parts it uses
         check_not_ddp(self.params)
-        if collectives is not None and config.state_precision != "fp32":
-            raise NotImplementedError(
-                f"`state_precision` is {config.state_precision!r} under data parallelism ({collectives.world} ranks): "
-                "compact host state is implemented for one process so far. Use `state_precision: fp32` "
-                "with data parallelism, or train in one process.")
         if collectives is not None:
             broadcast_params(collectives, self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
@@ -126,7 +121,8 @@ class Engine:
                                             shard_world=None if collectives is None
                                             else collectives.topology.shard_world)
         self.buckets = BucketSet(self.params, buffers, self.runtime,
-                                 shard_of=None if collectives is None else sharding(collectives), codec=self.adam)
+                                 shard_of=None if collectives is None else sharding(collectives, self.layout.align),
+                                 codec=self.adam)
         initial = self.layout.initial_plan()
         if config.host_memory_check:  # before anything is allocated: refuse with the table, not the OOM killer
             check_plan_fits(footprint(initial, buffers), self.runtime, sum(p.numel() for p in self.params))
@@ -209,7 +205,8 @@ class Engine:
         """The state precision and the host state's bytes per parameter, as the Ledger holds them."""
         kinds = self.buckets.policy.state_kinds
         held = sum(self.buckets.ledger.bytes(place, kind) for place in ("host", "pinned") for kind in kinds)
-        n = sum(s.numel for rt in self.buckets.host() for s in rt.bucket.slots)
+        n = (sum(s.numel for rt in self.buckets.host() for s in rt.bucket.slots) if self.dp is None
+             else sum(rt.shard.used_numel for rt in self.buckets.host()))  # this rank's elements
         per_param = f" {held / n:.3f} B/param" if n else ""
         return f"{self.config.state_precision}{per_param}"
 

@@ -132,7 +132,7 @@ class BufferPolicy:
     def host_numel(self, numel: int) -> int:
         """Elements of a host bucket of `numel` elements in this rank's buffers: its shard's
         under data parallelism (shard.py; padding included), else all of them."""
-        return numel if self.shard_world is None else shard_numel(numel, self.shard_world)
+        return numel if self.shard_world is None else shard_numel(numel, self.shard_world, self.align)
 
     def host_kinds(self) -> dict[str, tuple[torch.dtype, bool]]:
         """kind -> (dtype, page-locked) of every arena a host bucket has."""

@@ -73,8 +73,6 @@ def state_line(rows, state_precision: str, num_params: int, shard_world: Optiona
         what = "the compact bytes" if state_precision != "fp32" else "master and moments"
         line += f"; rollback keeps a snapshot of {what} of speculated buckets ({snapshot:.3f} B/param"
         line += ", none with speculation off)" if state_precision != "fp32" else ")"
-    if state_precision != "fp32" and shard_world is not None:
-        line += "; compact state under data parallelism is not implemented yet (the optimizer refuses it)"
     return line
 
 
