@@ -26,7 +26,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     from superoffload_hf.engine.layout import estimate
     from superoffload_hf.engine.memory import format_footprint
 
-    model_config = _model_config(recipe)
+    model_config, shipped = _model_config(recipe)
     if model_config is None:
         name = recipe.model.name_or_path
         return (f"memory: not estimated: the config.json of {name!r} is not available locally "
@@ -49,6 +49,9 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     where = "an accelerator (cast auto = host, device_buckets auto = 0)" if accelerator else "the CPU"
     lines = [f"memory: {n / 1e9:.3f}B parameters, {len(plan.buckets)} buckets, on {where}; "
              "activations and the device gradients of the model not included"]
+    if shipped is not None:
+        lines.append(f"  architecture from the shipped {shipped / 'config.json'} (no local copy of "
+                     f"{recipe.model.name_or_path}'s config.json)")
     if shard_world is not None:
         lines.append(f"memory per rank, data parallel over {num_processes} processes (each rank holds "
                      f"1/{num_processes} of every host bucket's master, moments and gradient staging):")
@@ -86,11 +89,24 @@ def host_check_line(rows, device_is_host: bool) -> str:
     # (indented, no ": ": the dry run's output reads as YAML)
     line = (f"  host memory checked before allocating {need / 1e9:.3f} GB with the re-plan after step 1 "
             f"({transient / 1e9:.3f} GB of it the re-plan's transient)")
+    line += f"; {fits_hosts(need)}"
     left = host_memory_left(None)
     if left is None:
         return line
     fits = "fits" if need <= left[0] else "does NOT fit (the optimizer would refuse it, see host_memory_check)"
     return f"{line}; this machine may use {left[0] / 1e9:.3f} GB now ({left[1].replace(': ', ' ')}) - {fits}"
+
+
+HOST_SIZES = ((128 * 2**30, "a 128 GiB host (one H200 server)"), (256 * 2**30, "a 256 GiB host"),
+              (480 * 10**9, "a GH200's 480 GB"))
+
+
+def fits_hosts(need: int) -> str:
+    """Which of the usual host sizes `need` bytes fit in, in GiB (the smallest that does)."""
+    for size, what in HOST_SIZES:
+        if need <= size:
+            return f"{need / 2**30:.1f} GiB fits {what}"
+    return f"{need / 2**30:.1f} GiB exceeds {HOST_SIZES[-1][1]}"
 
 
 def per_host_lines(rows, ranks_per_host: int, num_machines: int, device_is_host: bool) -> str:
@@ -110,15 +126,22 @@ def per_host_lines(rows, ranks_per_host: int, num_machines: int, device_is_host:
     return "\n".join(lines)
 
 
-def _model_config(recipe: Recipe) -> Optional[Any]:
+def _model_config(recipe: Recipe) -> tuple[Optional[Any], Optional[Any]]:
+    """(the model's config, the shipped recipes/models/ directory it came from or None): the
+    recipe's own config, a local (or hub-cached) config.json, else a shipped copy (catalog.py)."""
     from transformers import AutoConfig
+
+    from superoffload_hf.train.catalog import shipped_model_dir
 
     if recipe.model.config is not None:
         values = dict(recipe.model.config)
         if recipe.tokenizer.shipped:
             values.setdefault("vocab_size", recipe.tokenizer.vocab_size)
-        return AutoConfig.for_model(values.pop("model_type", "llama"), **values)
+        return AutoConfig.for_model(values.pop("model_type", "llama"), **values), None
     try:
-        return AutoConfig.from_pretrained(recipe.model.name_or_path, local_files_only=True)
+        return AutoConfig.from_pretrained(recipe.model.name_or_path, local_files_only=True), None
     except (OSError, ValueError):
-        return None
+        shipped = shipped_model_dir(recipe.model.name_or_path)
+        if shipped is None:
+            return None, None
+        return AutoConfig.from_pretrained(str(shipped), local_files_only=True), shipped
