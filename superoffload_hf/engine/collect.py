@@ -211,7 +211,9 @@ class Collector:
             issued = time.perf_counter()
             event = self.transfer.grad_to_host(flat, landed)
             self.counters.bytes_d2h += flat.numel() * flat.element_size()
-            keep = first and launch  # this round is the step's whole gradient: no upcast
+            # this round is the step's whole gradient (launched now, or at step() where the CPU
+            # device launches only to speculate): no upcast, no fp32 buffer (BufferPolicy.grad_lazy)
+            keep = first and (launch or self._is_last_micro_batch(rt))
             jobs = [functools.partial(self.jobs.receive, rt, landed, event, first, keep, issued)]
         rt.staged = True
         if launch:
