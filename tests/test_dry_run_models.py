@@ -42,6 +42,10 @@ def test_llama_3_1_8b_with_compact_state_fits_a_128_gib_host_with_the_replan_tra
     assert fp32_need * 1e9 > 128 * GIB and "fits a 256 GiB host" in fp32, fp32
     assert need * 1e9 <= 128 * GIB and "fits a 128 GiB host" in compact, compact
     assert rows["snapshot"][2] == pytest.approx(5.125, abs=0.02)  # speculation auto: the rollback snapshot
+    # what auto trades for it: its bytes and their copy per step, and the decision on a 128 GiB host
+    assert "speculation snapshot 41.155 GB (5.125 B/param), 82.310 GB copied per speculative step" in compact \
+        or "speculation snapshot 41.155 GB (5.125 B/param)" in compact, compact
+    assert "on a 128 GiB host (one H200 server): speculates 195 of 195 host buckets (the snapshots fit)" in compact
     assert rows["grad staging"][2] == pytest.approx(4.0, abs=0.01)  # fp32 accumulation of 8 micro-batches
 
 

@@ -183,6 +183,9 @@ class Collector:
             s.budget = SpeculationBudget(self.live.max_grad_norm, self.loss_scale.scale)
         if not s.speculating or rt.no_spec or not all(rt.present):
             return None
+        trade = self.live.snapshot_trade  # compact state, speculation auto: the snapshot it can afford
+        if trade is not None and not trade.allows(rt.bucket.index):
+            return None
         call = s.call(rt, 1.0)
         return call if self.jobs.snapshot or invertible(call.hyper, self.jobs.adamw) else None
 

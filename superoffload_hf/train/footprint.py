@@ -23,8 +23,8 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     from transformers import AutoModelForCausalLM
 
     from superoffload_hf.config import SuperOffloadConfig
-    from superoffload_hf.engine.layout import estimate
-    from superoffload_hf.engine.memory import format_footprint
+    from superoffload_hf.engine.layout import estimate_layout
+    from superoffload_hf.engine.memory import footprint, format_footprint
 
     model_config, shipped = _model_config(recipe)
     if model_config is None:
@@ -43,9 +43,11 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     config = SuperOffloadConfig.coerce(recipe.superoffload)
     accelerator = not t.get("use_cpu", False)
     shard_world = num_processes if num_processes > 1 else None  # one process: no data parallelism
-    plan, rows = estimate(params, groups, config, accelerator, int(t.get("gradient_accumulation_steps", 1)),
-                          shard_world=shard_world)
+    plan, policy = estimate_layout(params, groups, config, accelerator, int(t.get("gradient_accumulation_steps", 1)),
+                                   shard_world=shard_world)
     n = sum(p.numel() for p in params)
+    trade = dry_run_trade(plan, policy, config.speculation, not accelerator)
+    rows = footprint(plan, policy)  # every snapshot counted: the trade lines say what auto drops
     where = "an accelerator (cast auto = host, device_buckets auto = 0)" if accelerator else "the CPU"
     lines = [f"memory: {n / 1e9:.3f}B parameters, {len(plan.buckets)} buckets, on {where}; "
              "activations and the device gradients of the model not included"]
@@ -57,6 +59,12 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
                      f"1/{num_processes} of every host bucket's master, moments and gradient staging):")
     lines.append(format_footprint(rows, n))
     lines.append(state_line(rows, config.state_precision, n, shard_world))
+    if trade.applies:
+        lines.append(f"  {trade.describe(n)} with this machine's memory now; after step 1 the engine decides "
+                     "again, also from the measured host bandwidth and backward time")
+        on_128 = dry_run_trade(plan, policy, config.speculation, not accelerator, memory_left=HOST_SIZES[0][0])
+        lines.append(f"  on {HOST_SIZES[0][1]}: speculates {on_128.speculated_buckets} of {on_128.host_buckets} "
+                     f"host buckets ({on_128.reason})")
     lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
@@ -77,6 +85,24 @@ def state_line(rows, state_precision: str, num_params: int, shard_world: Optiona
         line += f"; rollback keeps a snapshot of {what} of speculated buckets ({snapshot:.3f} B/param"
         line += ", none with speculation off)" if state_precision != "fp32" else ")"
     return line
+
+
+def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Optional[int] = None):
+    """The snapshot trade of `speculation: auto` (engine/snapshot_trade.py) as the engine decides
+    it at construction: against this machine's memory now, or `memory_left` bytes."""
+    from superoffload_hf.engine.host_limit import host_bytes, replan_transient
+    from superoffload_hf.engine.memory import footprint
+    from superoffload_hf.engine.snapshot_trade import engine_trade, snapshot_trade
+
+    if memory_left is not None:
+        rows = footprint(plan, policy, frozenset())
+        other = host_bytes(rows, device_is_host) + replan_transient(rows)
+        return snapshot_trade(plan, policy, mode, memory_left=memory_left, other_bytes=other)
+
+    class _ThisHost:  # the dry run has no runtime: the memory limits of this process
+        host_is_device = device_is_host
+
+    return engine_trade(plan, policy, mode, _ThisHost(), check_memory=True)
 
 
 def host_check_line(rows, device_is_host: bool) -> str:
