@@ -58,6 +58,12 @@ def test_auto_does_not_speculate_where_copying_the_snapshots_outlasts_the_backwa
     assert "copied per speculative step, 10.0 ms per step against a 50.0 ms backward" in fast.describe(6 * 4096)
 
 
+def test_auto_keeps_no_snapshot_on_the_cpu_device_where_it_never_speculates():
+    trade = snapshot_trade(plan(), policy(), "auto", memory_left=10**9, overlaps=False)
+    assert trade.applies and trade.speculated_buckets == 0 and "the CPU" in trade.reason
+    assert "snapshot" not in {r.what for r in footprint(plan(), policy(), trade.snapshot_buckets)}
+
+
 @pytest.mark.parametrize("precision, mode, count", [("compact", "on", 2), ("compact", "off", 0), ("fp32", "auto", 0)])
 def test_other_modes_and_fp32_state_are_the_users_decision(precision, mode, count):
     trade = snapshot_trade(plan(), policy(precision, speculate=mode != "off"), mode, memory_left=0)

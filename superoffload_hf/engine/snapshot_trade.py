@@ -70,8 +70,9 @@ def bucket_snapshot_bytes(plan: BucketPlan, policy: BufferPolicy) -> list[int]:
 
 def snapshot_trade(plan: BucketPlan, policy: BufferPolicy, mode: str, *, memory_left: Optional[int] = None,
                    other_bytes: int = 0, host_bytes_per_second: Optional[float] = None,
-                   backward_seconds: Optional[float] = None) -> SnapshotTrade:
-    """The decision (module docstring). `memory_left`: host bytes this process may still use
+                   backward_seconds: Optional[float] = None, overlaps: bool = True) -> SnapshotTrade:
+    """The decision (module docstring). `overlaps`: False on the CPU device, where auto never
+    speculates (engine/validate.py SpeculationPolicy: nothing to overlap), so no snapshot is kept. `memory_left`: host bytes this process may still use
     before the engine allocates (None: unknown, no limit); `other_bytes`: what the engine needs
     of it besides the snapshots (the rest of the footprint and the re-plan's transient);
     `host_bytes_per_second`: the host memory bandwidth the host step reached (measured)."""
@@ -85,6 +86,8 @@ def snapshot_trade(plan: BucketPlan, policy: BufferPolicy, mode: str, *, memory_
                   "rollback snapshot" if policy.snapshot else "fp32 state: rolled back in place, no snapshot")
         return _trade(sizes, indices, count, full, None, None, reason, applies=False)
     count, reason = len(sizes), "the snapshots fit"
+    if not overlaps:
+        return _trade(sizes, indices, 0, full, None, None, "the device is the CPU: auto never speculates there")
     if memory_left is not None:
         budget = memory_left - other_bytes
         held = 0
@@ -131,4 +134,5 @@ def engine_trade(plan: BucketPlan, policy: BufferPolicy, mode: str, runtime, *, 
             memory_left = left[0] + held_bytes
             other = host_bytes(rows, runtime.host_is_device) + replan_transient(rows)
     return snapshot_trade(plan, policy, mode, memory_left=memory_left, other_bytes=other,
-                          host_bytes_per_second=host_bytes_per_second, backward_seconds=backward_seconds)
+                          host_bytes_per_second=host_bytes_per_second, backward_seconds=backward_seconds,
+                          overlaps=not runtime.host_is_device)

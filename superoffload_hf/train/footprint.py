@@ -97,7 +97,8 @@ def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Op
     if memory_left is not None:
         rows = footprint(plan, policy, frozenset())
         other = host_bytes(rows, device_is_host) + replan_transient(rows)
-        return snapshot_trade(plan, policy, mode, memory_left=memory_left, other_bytes=other)
+        return snapshot_trade(plan, policy, mode, memory_left=memory_left, other_bytes=other,
+                              overlaps=not device_is_host)
 
     class _ThisHost:  # the dry run has no runtime: the memory limits of this process
         host_is_device = device_is_host
