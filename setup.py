@@ -1,7 +1,8 @@
 """Ships the GraceAdam C++ sources inside the package, so that a wheel (`pip install .`,
 `pip install git+...`) can build the host Adam kernel: they live at the repository root in
 csrc/grace_adam/, and the build copies them to superoffload_hf/_csrc/grace_adam/, where
-superoffload_hf.host.kernel looks first. The recipes (recipes/*.yaml, recipes/accelerate/*.yaml)
+superoffload_hf.host.kernel looks first. The recipes (recipes/*.yaml, recipes/accelerate/*.yaml,
+recipes/models/*/config.json)
 are copied the same way to superoffload_hf/_recipes/ (superoffload_hf.train.catalog), so that
 `superoffload train tiny_llama_cpu` works anywhere. Everything else is in pyproject.toml."""
 
@@ -13,7 +14,7 @@ from setuptools.command.build_py import build_py
 CSRC = Path(__file__).resolve().parent / "csrc" / "grace_adam"
 SHIPPED = ("*.cpp", "*.h")
 RECIPES = Path(__file__).resolve().parent / "recipes"
-SHIPPED_RECIPES = ("*.yaml", "accelerate/*.yaml")
+SHIPPED_RECIPES = ("*.yaml", "accelerate/*.yaml", "models/*/config.json")  # models: the dry run's configs
 
 
 class BuildPyWithSources(build_py):

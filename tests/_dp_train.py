@@ -360,3 +360,100 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
     named = [(op, roles.get(id(group), "other"), thread, locked) for op, group, thread, locked in log]
     return {"construction": named[:constructed], "training": named[constructed:],
             "roles": [role for role, _ in coll.groups()]}
+
+
+# ---- compact host state: data parallel against one process on the same global batch -------------
+
+
+def compact_state(opt, world: int) -> dict:
+    """Every parameter's saved state (the consolidated shard files under data parallelism, the
+    state dict in one process): {index: {key: CPU tensor}}, copies."""
+    from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate
+
+    sd = opt.state_dict()
+    if world > 1:
+        import torch.distributed as dist
+
+        shards = [None] * world
+        dist.all_gather_object(shards, sd)
+        sd = consolidate(RangeSource.of(shards))
+    return {int(i): {k: v.detach().reshape(-1).clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
+            for i, entry in sd["state"].items()}
+
+
+def train_compact(rank: int, world: int, steps: int = 6, start_step: int = 0, state_precision: str = "compact",
+                  speculation: str = "on", max_grad_norm: float = 1e6, poison: tuple = (1, 2),
+                  save_dir: Optional[str] = None, load_dir: Optional[str] = None, global_world: int = 2) -> dict:
+    """A bf16 TinyLM with compact (or fp32) host state. Under data parallelism (`world` > 1) rank r
+    runs the micro-batch rank_batches(step, r, ...); in one process (`world` 1) the optimizer
+    accumulates all `global_world` ranks' micro-batches of the step (the same global batch,
+    each loss / global_world). `poison`: (rank, step) whose micro-batch gets a NaN gradient in
+    layers.1.1.weight (the step is skipped). Returns the per-step parameter digests, skips, the
+    final saved state, and the conversion notices a load logged."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks (_dist.py): bf16 LayerNorm backward sums per thread
+    try:
+        return _train_compact(rank, world, steps, start_step, state_precision, speculation, max_grad_norm, poison,
+                              save_dir, load_dir, global_world)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_compact(rank, world, steps, start_step, state_precision, speculation, max_grad_norm, poison, save_dir,
+                   load_dir, global_world) -> dict:
+    from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.engine import shard_checkpoint
+
+    model = tiny_llama(seed=0)
+    if load_dir is not None:
+        model.load_state_dict(torch.load(f"{load_dir}/model.pt", weights_only=True))
+    micro = 1 if world > 1 else global_world
+    cfg = engine_config(device_dtype="bf16", state_precision=state_precision, speculation=speculation,
+                        gradient_accumulation_steps=micro, device_buckets=0)
+    notices = _LogLines("converted")
+    package_logger = logging.getLogger("superoffload_hf")
+    package_logger.addHandler(notices)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, config=cfg)
+    try:
+        if load_dir is not None:
+            saved = (shard_checkpoint.read_shards(load_dir) if shard_checkpoint.shard_files(load_dir)
+                     else torch.load(f"{load_dir}/optimizer.pt", weights_only=True, mmap=True))
+            opt.load_state_dict(saved)
+        loaded = compact_state(opt, world) if load_dir is not None else None
+        target = dict(model.named_parameters())["layers.1.1.weight"]
+        poisoner = GradPoison(target, {poison[1]: float("nan")})
+        opt.max_grad_norm = max_grad_norm
+        digests, skipped, norms = [], [], []
+        for step in range(start_step, start_step + steps):
+            ranks = [rank] if world > 1 else range(global_world)
+            for r in ranks:
+                poisoner.step = step if r == poison[0] else -1
+                for batch in rank_batches(step, r, global_world, 1):
+                    (model(**batch).loss / micro).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            skipped.append(opt.last_step_skipped)
+            norms.append(opt.last_grad_norm)
+            digests.append(bf16_digest(model))
+        state = compact_state(opt, world)
+        if save_dir is not None:
+            if rank == 0:  # before save_sharded's barriers: no rank loads it early
+                torch.save(model.state_dict(), f"{save_dir}/model.pt")
+            if world > 1:
+                opt.save_sharded(save_dir)
+            else:
+                torch.save(opt.state_dict(), f"{save_dir}/optimizer.pt")
+        counters = opt.counters.as_dict()
+        summary = opt.describe()
+    finally:
+        package_logger.removeHandler(notices)
+        opt.close()
+    return {"digests": digests, "skipped": skipped, "norms": norms, "state": state, "loaded": loaded, "counters": counters,
+            "notices": notices.lines, "summary": summary}
+
+
+def bf16_digest(model) -> str:
+    h = hashlib.sha256()
+    for _, p in sorted(read_params(model).items()):
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -61,5 +61,7 @@ def test_an_installed_package_reads_the_recipes_copied_into_it(tmp_path, monkeyp
 
 def test_setup_copies_the_recipes_into_the_package():
     setup = (REPO / "setup.py").read_text()
-    assert '"_recipes"' in setup and 'SHIPPED_RECIPES = ("*.yaml", "accelerate/*.yaml")' in setup
-    assert "recursive-include recipes *.yaml" in (REPO / "MANIFEST.in").read_text()
+    assert '"_recipes"' in setup and 'SHIPPED_RECIPES = ("*.yaml", "accelerate/*.yaml", "models/*/config.json")' in setup
+    assert "recursive-include recipes *.yaml config.json" in (REPO / "MANIFEST.in").read_text()
+    assert sorted(p.parent.name for p in (REPO / "recipes" / "models").glob("*/config.json")) == [
+        "llama-2-13b", "llama-3.1-8b"]  # the dry run's architectures (catalog.shipped_model_dir)

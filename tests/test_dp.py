@@ -6,6 +6,7 @@ compared bitwise here."""
 from __future__ import annotations
 
 import functools
+import re
 import tempfile
 from pathlib import Path
 
@@ -342,3 +343,98 @@ def test_resume_two_ranks_on_four_under_another_bucket_size(saved_by_two_ranks):
 def test_resume_one_rank_on_two_under_another_bucket_size(tmp_path):
     _run(1, **FIRST, save_dir=str(tmp_path))
     _assert_continued(_run(2, **SECOND, load_dir=str(tmp_path), config={"bucket_size_mb": 0.011}))
+
+
+# ---- compact host state ---------------------------------------------------------------------------
+#
+# A bf16 TinyLM with compact state on 2 ranks against one process accumulating both ranks'
+# micro-batches (the same global batch): clipped at every step (speculated, rolled back and
+# replayed), a NaN gradient on rank 1 at step 2 (skipped). The gradients are the same bits (each
+# rank's backward once, the fp32 mean of two vs the fp32 sum of two halves), shards start at group
+# boundaries, and the compact step is elementwise per group: parameters and state bytes are equal
+# bitwise. (The clip coefficient comes from a float64 norm summed in another order; it could differ
+# in its last bit, which would move a weight by at most one unit of its error term: not seen here.)
+# One launch of the ranks runs every compact scenario, in order: the saving ones before the loading.
+COMPACT = dict(max_grad_norm=0.9, poison=(1, 2))  # the norms are 0.97-1.0: every step clipped
+
+
+def _compact_scenarios(rank, world, dirs):
+    from _dp_train import train_compact
+
+    return [train_compact(rank, world, steps=6, **COMPACT),
+            train_compact(rank, world, steps=3, save_dir=dirs["compact2"], **COMPACT),
+            train_compact(rank, world, steps=3, start_step=3, load_dir=dirs["compact2"], **COMPACT),
+            train_compact(rank, world, steps=3, start_step=3, load_dir=dirs["compact1"], **COMPACT),
+            train_compact(rank, world, steps=3, save_dir=dirs["fp32_2"], state_precision="fp32", **COMPACT),
+            train_compact(rank, world, steps=1, start_step=3, load_dir=dirs["fp32_2"], **COMPACT),
+            train_compact(rank, world, steps=1, start_step=3, load_dir=dirs["compact2"], state_precision="fp32",
+                          **COMPACT)]
+
+
+@functools.lru_cache(maxsize=None)
+def compact_results():
+    from _dp_train import train_compact
+
+    dirs = {name: tempfile.mkdtemp(prefix=f"dp_{name}_") for name in ("compact1", "compact2", "fp32_2")}
+    one = {"full": train_compact(0, 1, steps=6, **COMPACT),
+           "saved": train_compact(0, 1, steps=3, save_dir=dirs["compact1"], **COMPACT)}
+    names = ("full", "saved", "resumed_2_on_2", "resumed_1_on_2", "fp32_saved", "fp32_on_compact", "compact_on_fp32")
+    results = run_ranks(_compact_scenarios, 2, dirs, deadline_s=200)
+    two = {name: [r[i] for r in results] for i, name in enumerate(names)}
+    one["resumed_2_on_1"] = train_compact(0, 1, steps=3, start_step=3, load_dir=dirs["compact2"], **COMPACT)
+    return one, two
+
+
+def _assert_same_state(got: dict, expected: dict, where: str) -> None:
+    import torch
+
+    assert got.keys() == expected.keys(), where
+    for index, entry in expected.items():
+        assert got[index].keys() == entry.keys(), (where, index)
+        for key, tensor in entry.items():
+            assert tensor.dtype == got[index][key].dtype and torch.equal(got[index][key], tensor), (where, index, key)
+
+
+def test_compact_state_on_two_ranks_equals_one_process_on_the_same_global_batch_bitwise():
+    one, two = compact_results()
+    full = two["full"]
+    assert full[0]["digests"] == full[1]["digests"] == one["full"]["digests"]
+    assert full[0]["skipped"] == one["full"]["skipped"] == [False, False, True, False, False, False]
+    _assert_same_state(full[0]["state"], one["full"]["state"], "consolidated shards vs one process")
+    assert all("master_bf16" in entry for entry in full[0]["state"].values())  # compact bytes saved
+    counters = full[0]["counters"]
+    assert counters["speculative_steps"] > 0 and counters["rollbacks"] > 0, counters
+    assert "data parallel rank" in full[0]["summary"]
+    per_param = float(re.search(r"state compact ([\d.]+) B/param", full[0]["summary"])[1])
+    assert 5.125 <= per_param < 5.5, full[0]["summary"]  # of this rank's shard (group padding included)
+
+
+@pytest.mark.parametrize("resumed", ["resumed_2_on_2", "resumed_1_on_2", "resumed_2_on_1"])
+def test_compact_shard_checkpoints_resume_bit_identically_on_any_world_size(resumed):
+    one, two = compact_results()
+    got = one[resumed] if resumed.endswith("on_1") else two[resumed][0]
+    assert got["digests"] == one["full"]["digests"][3:], resumed
+    assert got["skipped"] == [False, False, False]
+    _assert_same_state(got["state"], one["full"]["state"], resumed)
+    assert not got["notices"], got["notices"]  # one precision: nothing converted
+
+
+def test_compact_shard_checkpoints_convert_from_and_to_fp32_state_on_load():
+    """What a rank loaded equals the saved state converted by the format's reference (the kernels
+    match it bitwise), element by element; one notice per load says it converted."""
+    from superoffload_hf.engine.precision import convert
+    from superoffload_hf.host import compact as reference
+
+    _, two = compact_results()
+    fp32 = {i: {"master": e["master_param"], "exp_avg": e["exp_avg"], "exp_avg_sq": e["exp_avg_sq"]}
+            for i, e in two["fp32_saved"][0]["state"].items()}
+    expected = {i: convert(values, "compact", reference) for i, values in fp32.items()}
+    _assert_same_state(two["fp32_on_compact"][0]["loaded"], expected, "fp32 shards loaded as compact")
+    saved = two["saved"][0]["state"]
+    decoded = {i: {("master_param" if k == "master" else k): v for k, v in convert(e, "fp32", reference).items()}
+               for i, e in saved.items()}
+    _assert_same_state(two["compact_on_fp32"][0]["loaded"], decoded, "compact shards loaded as fp32")
+    for name, (saved_as, loaded_as) in (("fp32_on_compact", ("fp32", "compact")), ("compact_on_fp32", ("compact", "fp32"))):
+        for rank in (0, 1):
+            (notice,) = two[name][rank]["notices"]
+            assert f"from {saved_as} to {loaded_as}" in notice, notice

@@ -97,3 +97,19 @@ def test_shard_plan_lists_every_bucket_and_prints():
 def test_bad_rank_or_world_raises(rank, world):
     with pytest.raises(ValueError):
         shard_of(one_bucket(), rank, world)
+
+
+def test_aligned_shards_start_every_piece_at_a_group_boundary_of_its_parameter():
+    """Compact state (align 32): a shard's groups are its parameters' groups under any world size."""
+    plan = BucketPlan.build([(40,), (7,), (100,)], [[0, 1, 2]], bucket_numel=10_000, align=32)
+    (bucket,) = plan.buckets
+    for world in (2, 3, 4):
+        shards = [shard_of(bucket, r, world, align=32) for r in range(world)]
+        assert all(s.numel % 32 == 0 and s.start % 32 == 0 for s in shards)
+        covered = {}
+        for s in shards:
+            for p in s.pieces:
+                assert p.param_start % 32 == 0 and p.offset % 32 == 0, (world, p)
+                covered[p.index] = covered.get(p.index, 0) + p.numel
+        assert covered == {0: 40, 1: 7, 2: 100}
+    assert shard_numel(bucket.numel, 3, align=32) == 96 and shard_numel(bucket.numel, 3) == -(-bucket.numel // 3)

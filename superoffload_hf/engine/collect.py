@@ -183,6 +183,9 @@ class Collector:
             s.budget = SpeculationBudget(self.live.max_grad_norm, self.loss_scale.scale)
         if not s.speculating or rt.no_spec or not all(rt.present):
             return None
+        trade = self.live.snapshot_trade  # compact state, speculation auto: the snapshot it can afford
+        if trade is not None and not trade.allows(rt.bucket.index):
+            return None
         call = s.call(rt, 1.0)
         return call if self.jobs.snapshot or invertible(call.hyper, self.jobs.adamw) else None
 
@@ -211,7 +214,9 @@ class Collector:
             issued = time.perf_counter()
             event = self.transfer.grad_to_host(flat, landed)
             self.counters.bytes_d2h += flat.numel() * flat.element_size()
-            keep = first and launch  # this round is the step's whole gradient: no upcast
+            # this round is the step's whole gradient (launched now, or at step() where the CPU
+            # device launches only to speculate): no upcast, no fp32 buffer (BufferPolicy.grad_lazy)
+            keep = first and (launch or self._is_last_micro_batch(rt))
             jobs = [functools.partial(self.jobs.receive, rt, landed, event, first, keep, issued)]
         rt.staged = True
         if launch:

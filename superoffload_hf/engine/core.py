@@ -46,6 +46,7 @@ from superoffload_hf.engine.loss_scale import make_loss_scale
 from superoffload_hf.engine.memory import footprint
 from superoffload_hf.engine.observe import StepObserver
 from superoffload_hf.engine.reads import ModuleReads
+from superoffload_hf.engine.snapshot_trade import engine_trade
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
@@ -91,11 +92,6 @@ class Engine:
                                     inline_host=self.runtime.host_is_device and collectives is None)
         self.dp: Optional[DataParallel] = None  # built below, from the parts it uses
         check_not_ddp(self.params)
-        if collectives is not None and config.state_precision != "fp32":
-            raise NotImplementedError(
-                f"`state_precision` is {config.state_precision!r} under data parallelism ({collectives.world} ranks): "
-                "compact host state is implemented for one process so far. Use `state_precision: fp32` "
-                "with data parallelism, or train in one process.")
         if collectives is not None:
             broadcast_params(collectives, self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
@@ -126,10 +122,15 @@ class Engine:
                                             shard_world=None if collectives is None
                                             else collectives.topology.shard_world)
         self.buckets = BucketSet(self.params, buffers, self.runtime,
-                                 shard_of=None if collectives is None else sharding(collectives), codec=self.adam)
+                                 shard_of=None if collectives is None else sharding(collectives, self.layout.align),
+                                 codec=self.adam)
         initial = self.layout.initial_plan()
+        # speculation auto with compact state: how many buckets may keep a rollback snapshot
+        self.trade = engine_trade(initial, buffers, config.speculation, self.runtime,
+                                  check_memory=config.host_memory_check)
         if config.host_memory_check:  # before anything is allocated: refuse with the table, not the OOM killer
-            check_plan_fits(footprint(initial, buffers), self.runtime, sum(p.numel() for p in self.params))
+            check_plan_fits(footprint(initial, buffers, self.trade.snapshot_buckets), self.runtime,
+                            sum(p.numel() for p in self.params))
         self.buckets.install(initial)
         self._reserve_staging()
         self.layout.cast_params_in_place()
@@ -137,7 +138,8 @@ class Engine:
         self.step_state = StepState(param_groups, self.buckets.param_steps, self.loss_scale)
         # max_grad_norm (the optimizer keeps it current), sync_source, fire_log (None once
         # learned; data parallel: the initial plan on every rank, no re-planning)
-        self.live = LiveInputs(fire_log=None if collectives else FireLog(len(self.params), self.runtime))
+        self.live = LiveInputs(fire_log=None if collectives else FireLog(len(self.params), self.runtime),
+                               snapshot_trade=self.trade if self.trade.applies else None)
         self._host_seconds_before_learning = counters.host_step_seconds
         self.learned: Optional[dict] = None  # the learned plan's inputs, for checkpoints
         self.worker = InlineWorker() if self.runtime.host_is_device else HostWorker()
@@ -203,13 +205,18 @@ class Engine:
                 f"x{self.adam.threads} threads ({self.host_threads_note}){dp}")
 
     def _rollback_note(self) -> str:
-        return "snapshot (compact bytes)" if self.buckets.policy.compact else self.config.rollback
+        if not self.buckets.policy.compact:
+            return self.config.rollback
+        trade = "" if not self.trade.applies else (f"; speculates {self.trade.speculated_buckets} of "
+                                                   f"{self.trade.host_buckets} host buckets")
+        return f"snapshot (compact bytes{trade})"
 
     def state_note(self) -> str:
         """The state precision and the host state's bytes per parameter, as the Ledger holds them."""
         kinds = self.buckets.policy.state_kinds
         held = sum(self.buckets.ledger.bytes(place, kind) for place in ("host", "pinned") for kind in kinds)
-        n = sum(s.numel for rt in self.buckets.host() for s in rt.bucket.slots)
+        n = (sum(s.numel for rt in self.buckets.host() for s in rt.bucket.slots) if self.dp is None
+             else sum(rt.shard.used_numel for rt in self.buckets.host()))  # this rank's elements
         per_param = f" {held / n:.3f} B/param" if n else ""
         return f"{self.config.state_precision}{per_param}"
 
@@ -261,16 +268,26 @@ class Engine:
 
     # ---- layout ---------------------------------------------------------------------------
 
-    def replan(self, plan) -> None:
-        """Move every parameter's state into the buffers of a new plan (between steps)."""
-        if plan == self.plan:
+    def replan(self, plan, measured: Optional[dict] = None) -> None:
+        """Move every parameter's state into the buffers of a new plan (between steps).
+        `measured`: the first step's host bandwidth and backward time, for the snapshot trade."""
+        if plan == self.plan and not measured:
             return
         # The copy-backs in flight belong to the old runtimes, which no forward waits for after
         # the move (cheap when the caller has synchronized, as _learn and load_state_dict have).
         self.synchronize()
+        from superoffload_hf.engine.host_limit import host_bytes
+
+        held = self.footprint()
+        self.trade = engine_trade(plan, self.buckets.policy, self.config.speculation, self.runtime,
+                                  check_memory=self.config.host_memory_check,
+                                  held_bytes=host_bytes(held, self.runtime.host_is_device), **(measured or {}))
+        self.live.snapshot_trade = self.trade if self.trade.applies else None
+        if plan == self.plan:
+            return
         if self.config.host_memory_check:
-            check_plan_fits(footprint(plan, self.buckets.policy), self.runtime, sum(p.numel() for p in self.params),
-                            held=self.footprint())
+            check_plan_fits(footprint(plan, self.buckets.policy, self.trade.snapshot_buckets), self.runtime,
+                            sum(p.numel() for p in self.params), held=held)
         self.buckets.replan(plan)
         self._reserve_staging()
 
@@ -298,7 +315,14 @@ class Engine:
         if self.transfer.is_async and self.layout.device.type != "cpu":
             sizes = BUCKET_SIZES_MB if self.config.bucket_size_mb == "auto" else (float(self.config.bucket_size_mb),)
             choice = choose_plan(machine, workload, bucket_sizes_mb=sizes, casts=(self.cast,))
-        self.replan(self.layout.learned_plan(log, choice, int(machine.device_free_bytes)))
+        # the snapshot trade from what the first step measured: the host step's bandwidth (its
+        # bytes per element: read and write the state, read the gradient) and the backward
+        policy = self.buckets.policy
+        state_bytes = sum(self.buckets.ledger.bytes(place, kind) for place in ("host", "pinned")
+                          for kind in policy.state_kinds)
+        step_bytes = (2 * state_bytes / max(host_elements, 1) + torch.empty((), dtype=policy.link_dtype).element_size())
+        measured = {"host_bytes_per_second": machine.host_adam_rate * step_bytes, "backward_seconds": workload.backward_s}
+        self.replan(self.layout.learned_plan(log, choice, int(machine.device_free_bytes)), measured)
         predicted = predict(machine, workload, bucket_numel=self.plan.bucket_numel,
                             device_buckets=self.plan.num_device_buckets, cast=self.cast,
                             speculate=self.config.speculation != "off")
@@ -326,7 +350,7 @@ class Engine:
     def footprint(self) -> list:
         """What the current plan allocates, per buffer kind (memory.footprint: the arithmetic
         the allocation itself uses); `self.buckets.ledger` has what the engine holds now."""
-        return footprint(self.plan, self.buckets.policy)
+        return footprint(self.plan, self.buckets.policy, self.trade.snapshot_buckets)
 
     # ---- per-parameter state (checkpoints) ---------------------------------------------------
 

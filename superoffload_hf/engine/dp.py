@@ -73,7 +73,10 @@ import torch
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
 from superoffload_hf.engine.shard import shard_of
-from superoffload_hf.engine.shard_checkpoint import RangeSource, is_shard_state, shard_state_dict
+from superoffload_hf.engine.checkpoint import MASTER_KINDS
+from superoffload_hf.engine.memory import COMPACT_KINDS, SCALE_KINDS
+from superoffload_hf.engine.shard_checkpoint import FP32_KINDS, RangeSource, is_shard_state, shard_state_dict
+from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 logger = logging.getLogger("superoffload_hf")
 
@@ -105,10 +108,11 @@ def check_not_ddp(params) -> None:
                 "optimizer from the unwrapped model's parameters and train the unwrapped model.")
 
 
-def sharding(collectives) -> Callable:
-    """bucket -> this rank's Shard of it (for BucketSet, which is built before DataParallel)."""
+def sharding(collectives, align: int = 1) -> Callable:
+    """bucket -> this rank's Shard of it (for BucketSet, which is built before DataParallel).
+    `align`: the plan's slot alignment (compact state: shards start at group boundaries)."""
     t = collectives.topology
-    return functools.partial(shard_of, rank=t.shard_rank, world=t.shard_world)
+    return functools.partial(shard_of, rank=t.shard_rank, world=t.shard_world, align=align)
 
 
 def broadcast_params(collectives, params) -> None:
@@ -129,7 +133,7 @@ class DataParallel:
         self._collector = lambda: None
         t = collectives.topology
         self.rank, self.world = t.shard_rank, t.shard_world
-        self.shard = sharding(collectives)
+        self.shard = sharding(collectives, buckets.plan.align)
         # Launch order (module docstring). Global: the same on every rank, from the plan and
         # presence results only. Host buckets (by index) without a gradient on any rank at the
         # last step: launched after presence, not during backward.
@@ -393,7 +397,7 @@ class DataParallel:
         Returns the event the next forward waits on. The host must not write the shard's
         master/lowp before that event (HostJobs waits for it)."""
         runtime, transfer = self.runtime, self.transfer
-        src = rt.bufs.lowp if rt.bufs.lowp is not None else rt.bufs.master
+        src = rt.bufs.copy_back_source  # compact state: the bf16 part of the master, as it is
         dtype = rt.params[0].dtype if rt.params else src.dtype
         with torch.no_grad(), runtime.thread_device(), runtime.on_stream(transfer.h2d):
             fence = getattr(transfer, "_fence", None)
@@ -468,10 +472,8 @@ class DataParallel:
                     lo, hi = piece.offset, piece.offset + piece.numel
                 else:
                     lo, hi = slot.offset + piece.param_start, slot.offset + piece.param_end
-                views = {"master_param": rt.bufs.master[lo:hi], "exp_avg": rt.bufs.exp_avg[lo:hi],
-                         "exp_avg_sq": rt.bufs.exp_avg_sq[lo:hi]}
                 yield (piece.index, piece.param_start, piece.param_end, slot.shape,
-                       self.buckets.param_steps[piece.index], views)
+                       self.buckets.param_steps[piece.index], _range_views(rt.bufs, lo, hi))
 
     def state_dict(self, groups: list, extra: Mapping[str, Any]) -> dict:
         self.waiter.synchronize()
@@ -495,22 +497,35 @@ class DataParallel:
         if any(any(rt.present) for rt in self.buckets.runtimes):
             raise RuntimeError("load_state_dict() was called between backward and step(); load a checkpoint "
                                "before the backward of the step that should use it (or call zero_grad() first).")
+        converted: dict[tuple[str, str], int] = {}
         for rt in self.buckets.runtimes:
             on_host = rt.shard is not None
             pieces = rt.shard.pieces if on_host else [self._whole(rt, k) for k in range(len(rt.bucket.slots))]
+            ours = self.buckets.policy.state_precision if rt.bufs.compact else "fp32"
             for piece in pieces:
                 slot = rt.bucket.slots[piece.slot]
                 lo = piece.offset if on_host else slot.offset
                 hi = lo + piece.numel
-                values = source.read(piece.index, piece.param_start, piece.param_end) if source.step(piece.index) else {}
-                if "master_param" in values:  # else (never stepped, or torch.optim's): keep the master
-                    rt.bufs.master[lo:hi].copy_(values["master_param"])
-                for key in ("exp_avg", "exp_avg_sq"):
-                    getattr(rt.bufs, key)[lo:hi].copy_(values[key]) if key in values else getattr(rt.bufs, key)[lo:hi].zero_()
+                values, changed = {}, False
+                if source.step(piece.index):
+                    values, changed = source.read_state(piece.index, piece.param_start, piece.param_end, ours,
+                                                        self.buckets.codec)
+                if changed:
+                    key = (source.precision(piece.index), ours)
+                    converted[key] = converted.get(key, 0) + 1
+                # never stepped, or torch.optim's: keep the master, zero moments
+                for kind, view in _range_views(rt.bufs, lo, hi, kinds=True).items():
+                    if kind in values:
+                        view.copy_(values[kind])
+                    elif kind not in MASTER_KINDS:
+                        view.zero_()
                 if rt.bufs.lowp is not None:
                     rt.bufs.lowp[lo:hi].copy_(rt.bufs.master[lo:hi])
         for index in range(len(self.params)):
             self.buckets.param_steps[index] = source.step(index)
+        for (saved, ours), count in sorted(converted.items()):
+            logger.warning("SuperOffload: converted %d piece%s of the saved optimizer state from %s to %s (this "
+                           "optimizer's state precision there)", count, "" if count == 1 else "s", saved, ours)
         return source
 
     @staticmethod
@@ -519,6 +534,16 @@ class DataParallel:
 
         slot = rt.bucket.slots[k]
         return Piece(slot=k, index=slot.index, param_start=0, param_end=slot.numel, offset=slot.offset)
+
+
+def _range_views(bufs: BucketBuffers, lo: int, hi: int, kinds: bool = False) -> dict[str, torch.Tensor]:
+    """Views of elements [lo, hi) of a bucket's (or shard's) state: its six compact kinds (the
+    scales of the groups from `lo`, a multiple of the group: shard.py), or the fp32 master and
+    moments, keyed as the shard files are (`kinds`: by buffer kind)."""
+    if bufs.compact:
+        return {kind: (getattr(bufs, kind)[lo // COMPACT_GROUP:scale_numel(hi)] if kind in SCALE_KINDS
+                       else getattr(bufs, kind)[lo:hi]) for kind in COMPACT_KINDS}
+    return {(kind if kinds else key): getattr(bufs, kind)[lo:hi] for key, kind in FP32_KINDS.items()}
 
 
 def is_sharded_input(state: Any) -> bool:

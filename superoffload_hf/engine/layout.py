@@ -250,10 +250,17 @@ def estimate(params: list[torch.Tensor], groups: list[dict], config, accelerator
     taken as "host" (a PCIe-class link) and device_buckets "auto" as 0 (decided after step 1;
     under data parallelism the first plan is kept). `shard_world`: data parallel over that many
     ranks (the rows are one rank's), None for one process."""
+    plan, policy = estimate_layout(params, groups, config, accelerator, accumulation_steps, shard_world)
+    return plan, footprint(plan, policy)
+
+
+def estimate_layout(params: list[torch.Tensor], groups: list[dict], config, accelerator: bool,
+                    accumulation_steps: int = 1, shard_world: Optional[int] = None) -> tuple[BucketPlan, BufferPolicy]:
+    """The first plan and the buffer policy of `estimate` (the dry run also decides the snapshot
+    trade from them, engine/snapshot_trade.py)."""
     layout = LayoutBuilder(params, groups, config, inline_host=not accelerator and shard_world is None)
     cast = config.cast if config.cast != "auto" else ("host" if accelerator else "device")
     pin = accelerator and config.pin_memory in (True, "auto")  # as Transfer decides
     policy = layout.buffer_policy(cast, pin, rounds_pinned=accelerator, accumulation_steps=accumulation_steps,
                                   host_is_device=not accelerator, shard_world=shard_world)
-    plan = layout.initial_plan()
-    return plan, footprint(plan, policy)
+    return layout.initial_plan(), policy

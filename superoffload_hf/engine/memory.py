@@ -132,7 +132,7 @@ class BufferPolicy:
     def host_numel(self, numel: int) -> int:
         """Elements of a host bucket of `numel` elements in this rank's buffers: its shard's
         under data parallelism (shard.py; padding included), else all of them."""
-        return numel if self.shard_world is None else shard_numel(numel, self.shard_world)
+        return numel if self.shard_world is None else shard_numel(numel, self.shard_world, self.align)
 
     def host_kinds(self) -> dict[str, tuple[torch.dtype, bool]]:
         """kind -> (dtype, page-locked) of every arena a host bucket has."""
@@ -280,10 +280,11 @@ def spare_landing_numel(plan: BucketPlan, policy: BufferPolicy) -> int:
     return max((b.numel for b in plan.buckets if not b.device_resident), default=0)
 
 
-def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
+def footprint(plan: BucketPlan, policy: BufferPolicy, snapshot_buckets: Optional[frozenset] = None) -> list[FootprintRow]:
     """What the engine allocates for `plan` under `policy`, row by row (the allocation's own
     arithmetic: `arena_layout`, the buffer kinds of `policy`, and `policy.host_numel`: the
-    per-rank shard of each host bucket under data parallelism)."""
+    per-rank shard of each host bucket under data parallelism). `snapshot_buckets`: the indices
+    of the buckets that may speculate and so keep a snapshot (engine/snapshot_trade.py); None: all."""
     host_buckets = [b for b in plan.buckets if not b.device_resident]
     host = [policy.host_numel(b.numel) for b in host_buckets]
     on_device = sum(b.numel for b in plan.buckets if b.device_resident)
@@ -302,10 +303,11 @@ def footprint(plan: BucketPlan, policy: BufferPolicy) -> list[FootprintRow]:
         segments, _ = arena_layout([spare], policy.rounds_pinned and policy.pin)
         rows.append(FootprintRow("grad landing (spare)", "pinned" if policy.pin else "host",
                                  sum(segments) * _size(policy.link_dtype)))
-    if policy.snapshot:  # one buffer per state kind and host bucket (buffers.py take_snapshot)
+    snapshotted = [n for b, n in zip(host_buckets, host) if snapshot_buckets is None or b.index in snapshot_buckets]
+    if policy.snapshot and snapshotted:  # one buffer per state kind and host bucket (buffers.py take_snapshot)
         kinds = policy.host_kinds()
         rows.append(FootprintRow("snapshot", "host", sum(policy.kind_numel(kind, n) * _size(kinds[kind][0])
-                                                         for n in host for kind in policy.state_kinds)))
+                                                         for n in snapshotted for kind in policy.state_kinds)))
     largest_host = max(host, default=0)
     if largest_host and policy.shard_world is not None:
         rows += _data_parallel_rows(host_buckets, host, policy)

@@ -6,6 +6,10 @@ A bucket's flat buffer (`bucket.numel` elements, parameters laid out by its slot
 multiple of the shard world size N and cut into N contiguous shards of `shard_numel` elements;
 rank r owns `[r * shard_numel, (r + 1) * shard_numel)`. The padding (at most N - 1 elements, at the
 end) is zero and belongs to no parameter; the last shards of a tiny bucket may hold only padding.
+With `align` > 1 (compact host state: the group of host/compact.py, as the plan's slots) the
+shard size is rounded up to a multiple of it, so every shard, and every piece in it, starts at a
+multiple of the group of its parameter's elements: a shard's groups are its parameters' groups,
+the same under any world size (up to N x (align - 1) more padding per bucket).
 
 A shard cuts parameters wherever its boundaries fall. Each covered part of a parameter is a
 `Piece`: the parameter, the element range `[param_start, param_end)` of its flattened values, and
@@ -65,18 +69,20 @@ class Shard:
                       device_resident=self.bucket.device_resident, speculative=self.bucket.speculative)
 
 
-def shard_numel(numel: int, world: int) -> int:
-    """Elements per shard of a bucket of `numel` elements over `world` ranks (ceil)."""
+def shard_numel(numel: int, world: int, align: int = 1) -> int:
+    """Elements per shard of a bucket of `numel` elements over `world` ranks (ceil, rounded up
+    to a multiple of `align`)."""
     _check_world(world)
-    return -(-numel // world)
+    n = -(-numel // world)
+    return -(-n // align) * align
 
 
-def shard_of(bucket: Bucket, rank: int, world: int) -> Shard:
-    """Rank `rank`'s shard of `bucket` among `world` ranks."""
+def shard_of(bucket: Bucket, rank: int, world: int, align: int = 1) -> Shard:
+    """Rank `rank`'s shard of `bucket` among `world` ranks (`align`: see the module docstring)."""
     _check_world(world)
     if not 0 <= rank < world:
         raise ValueError(f"`rank` is {rank}; expected 0 <= rank < world ({world}).")
-    n = shard_numel(bucket.numel, world)
+    n = shard_numel(bucket.numel, world, align)
     start, end = rank * n, (rank + 1) * n
     pieces = []
     for k, slot in enumerate(bucket.slots):
@@ -98,7 +104,7 @@ class ShardPlan:
 
     @classmethod
     def build(cls, plan: BucketPlan, rank: int, world: int) -> "ShardPlan":
-        return cls(plan, rank, world, tuple(shard_of(b, rank, world) for b in plan.buckets))
+        return cls(plan, rank, world, tuple(shard_of(b, rank, world, plan.align) for b in plan.buckets))
 
     @property
     def host_numel(self) -> int:

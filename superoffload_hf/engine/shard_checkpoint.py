@@ -19,6 +19,14 @@ single-process state dict is a `RangeSource` too (1 -> N).
 
 Step counts: every rank steps every parameter the same number of times, so each piece carries
 its parameter's count; a parameter without state (never stepped) has no piece.
+
+Compact state (engine/precision.py): a piece of a compact host bucket's parameter holds its
+bytes instead, the six compact kinds (`master_bf16` ... `exp_avg_sq_scale`, the scales one per
+group of 32 of the piece's elements). Compact shards start at group boundaries (shard.py
+`align`), so every piece starts at a multiple of 32 of its parameter's elements and every piece
+but the parameter's last ends at one: the pieces' scales concatenate to the parameter's.
+`RangeSource.read_state` reads any range as either precision, converting (and, for a compact
+source read at an unaligned range, decoding the groups around it) where they differ.
 """
 
 from __future__ import annotations
@@ -30,10 +38,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from superoffload_hf.engine.checkpoint import CorruptStateError, tensor_crc32
+from superoffload_hf.engine.memory import COMPACT_KINDS, SCALE_KINDS
+from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 SHARD_FORMAT = "superoffload-shard"
 SHARD_FORMAT_VERSION = 1
 KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+FP32_KINDS = {"master_param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # key -> buffer kind
 SHARD_FILE = "optimizer.shard-{rank:05d}-of-{world:05d}.pt"
 
 
@@ -43,12 +54,16 @@ def is_shard_state(sd: Any) -> bool:
 
 def shard_state_dict(pieces: Iterable[tuple[int, int, int, tuple, int, Mapping[str, torch.Tensor]]], *,
                      rank: int, world: int, param_groups: list, extra: Mapping[str, Any]) -> dict:
-    """`pieces`: (param index, start, end, param shape, step, {key: 1-d fp32 tensor}) per piece."""
+    """`pieces`: (param index, start, end, param shape, step, values) per piece; values: {key: 1-d
+    fp32 tensor} of KEYS, or a compact piece's six kinds (their bytes are saved as they are)."""
     out = {}
     for index, start, end, shape, step, values in pieces:
         if step == 0:
             continue  # as torch.optim: no state before a parameter's first step
-        tensors = {key: values[key].detach().to("cpu", torch.float32, copy=True) for key in KEYS}
+        if "master_bf16" in values:
+            tensors = {key: values[key].detach().to("cpu", copy=True) for key in COMPACT_KINDS}
+        else:
+            tensors = {key: values[key].detach().to("cpu", torch.float32, copy=True) for key in KEYS}
         out[int(index)] = {"start": int(start), "end": int(end), "numel": int(torch.Size(shape).numel()),
                            "shape": list(shape), "step": int(step), **tensors,
                            "checksums": {key: tensor_crc32(t) for key, t in tensors.items()}}
@@ -98,9 +113,10 @@ class RangeSource:
     def _of_full(cls, sd: Mapping[str, Any]) -> "RangeSource":
         pieces, masters = {}, True
         for index, entry in sd["state"].items():
-            any_tensor = entry["exp_avg"]
-            masters &= "master_param" in entry
-            flat = {key: entry[key].reshape(-1) for key in KEYS if key in entry}
+            compact = "master_bf16" in entry  # flat: its shape is not saved
+            any_tensor = entry["master_bf16" if compact else "exp_avg"]
+            masters &= compact or "master_param" in entry
+            flat = {key: entry[key].reshape(-1) for key in (COMPACT_KINDS if compact else KEYS) if key in entry}
             pieces[int(index)] = [{"start": 0, "end": any_tensor.numel(), "numel": any_tensor.numel(),
                                    "shape": list(any_tensor.shape), "step": int(float(entry.get("step", 0))),
                                    **flat}]
@@ -117,20 +133,64 @@ class RangeSource:
         found = self.pieces.get(index)
         return int(found[0]["numel"]) if found else None
 
+    def precision(self, index: int) -> str:
+        """"fp32", "compact" or "compact32": the precision parameter `index` was saved in."""
+        from superoffload_hf.engine.precision import precision_of
+
+        return precision_of(self.pieces[index][0])
+
     def read(self, index: int, start: int, end: int) -> dict[str, torch.Tensor]:
-        """fp32 CPU tensors of elements [start, end) of parameter `index` (keys: master_param when
-        saved, exp_avg, exp_avg_sq); checksums of the pieces read are verified."""
+        """CPU tensors of elements [start, end) of parameter `index` as saved: fp32 (keys:
+        master_param when saved, exp_avg, exp_avg_sq), or compact bytes (the six kinds; then
+        `start` is a multiple of the group and `end` one or the parameter's end); checksums of
+        the pieces read are verified."""
+        compact = "master_bf16" in self.pieces[index][0]
+        numel = int(self.pieces[index][0]["numel"])
+        if compact and (start % COMPACT_GROUP or (end % COMPACT_GROUP and end != numel)):
+            raise ValueError(f"Elements [{start}, {end}) of parameter {index}'s compact state: a compact range "
+                             f"starts at a multiple of {COMPACT_GROUP} and ends at one or at the parameter's end "
+                             f"({numel}); read it with read_state() to get any range.")
         out: dict[str, list] = {}
         for piece in self.pieces[index]:
             lo, hi = max(start, int(piece["start"])), min(end, int(piece["end"]))
             if lo >= hi:
                 continue
             _verify(index, piece)
-            for key in KEYS:
-                if key in piece:
-                    base = int(piece["start"])
-                    out.setdefault(key, []).append(piece[key][lo - base:hi - base].to(torch.float32))
+            base = int(piece["start"])
+            for key in (COMPACT_KINDS if compact else KEYS):
+                if key not in piece:
+                    continue
+                if key in SCALE_KINDS:  # pieces start at group boundaries (module docstring)
+                    part = piece[key][(lo - base) // COMPACT_GROUP:scale_numel(hi - base)]
+                else:
+                    part = piece[key][lo - base:hi - base]
+                out.setdefault(key, []).append(part if compact else part.to(torch.float32))
         return {key: torch.cat(parts) for key, parts in out.items()}
+
+    def read_state(self, index: int, start: int, end: int, precision: str, codec) -> tuple[dict, bool]:
+        """Elements [start, end) of parameter `index` as `precision` state, in buffer kinds
+        (memory.py: fp32 `master` (when saved) / `exp_avg` / `exp_avg_sq`, or the compact six),
+        and whether it was converted from the other precision (`codec`: a host Adam back end,
+        engine/precision.py). A compact target range starts at a group boundary (shard.py)."""
+        from superoffload_hf.engine.precision import convert
+
+        saved = self.precision(index)
+        if saved == precision:
+            values = self.read(index, start, end)
+            return ({FP32_KINDS[k]: v for k, v in values.items()} if saved == "fp32" else values), False
+        if saved == "fp32":  # to compact: the range is group-aligned, so its groups are the parameter's
+            fp32 = {FP32_KINDS[k]: v for k, v in self.read(index, start, end).items()}
+            if "master" not in fp32:
+                raise ValueError(f"The saved state of parameter {index} has no fp32 master (a torch.optim "
+                                 "state dict): it cannot be converted to compact state here; load it into "
+                                 "fp32 state (`state_precision: fp32`), or save it with superoffload first.")
+            return convert(fp32, precision, codec), True
+        numel = int(self.pieces[index][0]["numel"])
+        lo, hi = start - start % COMPACT_GROUP, min(-(-end // COMPACT_GROUP) * COMPACT_GROUP, numel)
+        values = convert(self.read(index, lo, hi), "fp32" if precision == "fp32" else precision, codec)
+        if precision != "fp32":  # compact <-> compact32 (the range is aligned)
+            return values, True
+        return {k: v[start - lo:end - lo] for k, v in values.items()}, True
 
 
 def consolidate(source: RangeSource, num_params: Optional[int] = None) -> dict:
@@ -140,7 +200,9 @@ def consolidate(source: RangeSource, num_params: Optional[int] = None) -> dict:
         piece = source.pieces[index][0]
         values = source.read(index, 0, int(piece["numel"]))
         shape = tuple(piece["shape"])
-        state[index] = {"step": source.step(index), **{k: v.view(shape) for k, v in values.items()}}
+        if "master_bf16" not in values:  # compact entries stay flat (checkpoint.py)
+            values = {k: v.view(shape) for k, v in values.items()}
+        state[index] = {"step": source.step(index), **values}
     extra = {k: v for k, v in source.extra.items() if k in ("loss_scale", "speculation", "counters")}
     extra["format_version"] = 1
     return {"state": state, "param_groups": source.param_groups, "superoffload": extra}

@@ -2,7 +2,9 @@
 
 They live at the repository root in recipes/; a wheel build (setup.py) copies them to
 superoffload_hf/_recipes/, where an installed package finds them (an editable install and a
-checkout read recipes/ itself). The accelerate configs of recipes/accelerate/ travel with them.
+checkout read recipes/ itself). The accelerate configs of recipes/accelerate/ travel with them,
+and so do the config.json files of recipes/models/ (the architectures of the large recipes'
+models, so that `--dry-run` sizes them offline: `shipped_model_dir`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ def resolve_recipe(name_or_path: str) -> Path:
     if name in shipped and (path.parent == Path(".") or path.parent.name == "recipes"):
         return shipped[name]
     return path
+
+
+def shipped_model_dir(name_or_path: str) -> Optional[Path]:
+    """The shipped recipes/models/ directory whose config.json names `name_or_path` as its
+    `_name_or_path` (a hub id), or is that directory's name; None if none does."""
+    directory = recipes_dir()
+    if directory is None:
+        return None
+    import json
+
+    for config in sorted((directory / "models").glob("*/config.json")):
+        names = {config.parent.name, json.loads(config.read_text()).get("_name_or_path")}
+        if name_or_path in names:
+            return config.parent
+    return None
 
 
 def describe(path: Path) -> str:

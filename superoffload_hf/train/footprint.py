@@ -23,10 +23,10 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     from transformers import AutoModelForCausalLM
 
     from superoffload_hf.config import SuperOffloadConfig
-    from superoffload_hf.engine.layout import estimate
-    from superoffload_hf.engine.memory import format_footprint
+    from superoffload_hf.engine.layout import estimate_layout
+    from superoffload_hf.engine.memory import footprint, format_footprint
 
-    model_config = _model_config(recipe)
+    model_config, shipped = _model_config(recipe)
     if model_config is None:
         name = recipe.model.name_or_path
         return (f"memory: not estimated: the config.json of {name!r} is not available locally "
@@ -43,17 +43,28 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     config = SuperOffloadConfig.coerce(recipe.superoffload)
     accelerator = not t.get("use_cpu", False)
     shard_world = num_processes if num_processes > 1 else None  # one process: no data parallelism
-    plan, rows = estimate(params, groups, config, accelerator, int(t.get("gradient_accumulation_steps", 1)),
-                          shard_world=shard_world)
+    plan, policy = estimate_layout(params, groups, config, accelerator, int(t.get("gradient_accumulation_steps", 1)),
+                                   shard_world=shard_world)
     n = sum(p.numel() for p in params)
+    trade = dry_run_trade(plan, policy, config.speculation, not accelerator)
+    rows = footprint(plan, policy)  # every snapshot counted: the trade lines say what auto drops
     where = "an accelerator (cast auto = host, device_buckets auto = 0)" if accelerator else "the CPU"
     lines = [f"memory: {n / 1e9:.3f}B parameters, {len(plan.buckets)} buckets, on {where}; "
              "activations and the device gradients of the model not included"]
+    if shipped is not None:
+        lines.append(f"  architecture from the shipped {shipped / 'config.json'} (no local copy of "
+                     f"{recipe.model.name_or_path}'s config.json)")
     if shard_world is not None:
         lines.append(f"memory per rank, data parallel over {num_processes} processes (each rank holds "
                      f"1/{num_processes} of every host bucket's master, moments and gradient staging):")
     lines.append(format_footprint(rows, n))
     lines.append(state_line(rows, config.state_precision, n, shard_world))
+    if trade.applies:
+        lines.append(f"  {trade.describe(n)} with this machine's memory now; after step 1 the engine decides "
+                     "again, also from the measured host bandwidth and backward time")
+        on_128 = dry_run_trade(plan, policy, config.speculation, not accelerator, memory_left=HOST_SIZES[0][0])
+        lines.append(f"  on {HOST_SIZES[0][1]}: speculates {on_128.speculated_buckets} of {on_128.host_buckets} "
+                     f"host buckets ({on_128.reason})")
     lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
@@ -73,9 +84,26 @@ def state_line(rows, state_precision: str, num_params: int, shard_world: Optiona
         what = "the compact bytes" if state_precision != "fp32" else "master and moments"
         line += f"; rollback keeps a snapshot of {what} of speculated buckets ({snapshot:.3f} B/param"
         line += ", none with speculation off)" if state_precision != "fp32" else ")"
-    if state_precision != "fp32" and shard_world is not None:
-        line += "; compact state under data parallelism is not implemented yet (the optimizer refuses it)"
     return line
+
+
+def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Optional[int] = None):
+    """The snapshot trade of `speculation: auto` (engine/snapshot_trade.py) as the engine decides
+    it at construction: against this machine's memory now, or `memory_left` bytes."""
+    from superoffload_hf.engine.host_limit import host_bytes, replan_transient
+    from superoffload_hf.engine.memory import footprint
+    from superoffload_hf.engine.snapshot_trade import engine_trade, snapshot_trade
+
+    if memory_left is not None:
+        rows = footprint(plan, policy, frozenset())
+        other = host_bytes(rows, device_is_host) + replan_transient(rows)
+        return snapshot_trade(plan, policy, mode, memory_left=memory_left, other_bytes=other,
+                              overlaps=not device_is_host)
+
+    class _ThisHost:  # the dry run has no runtime: the memory limits of this process
+        host_is_device = device_is_host
+
+    return engine_trade(plan, policy, mode, _ThisHost(), check_memory=True)
 
 
 def host_check_line(rows, device_is_host: bool) -> str:
@@ -88,11 +116,24 @@ def host_check_line(rows, device_is_host: bool) -> str:
     # (indented, no ": ": the dry run's output reads as YAML)
     line = (f"  host memory checked before allocating {need / 1e9:.3f} GB with the re-plan after step 1 "
             f"({transient / 1e9:.3f} GB of it the re-plan's transient)")
+    line += f"; {fits_hosts(need)}"
     left = host_memory_left(None)
     if left is None:
         return line
     fits = "fits" if need <= left[0] else "does NOT fit (the optimizer would refuse it, see host_memory_check)"
     return f"{line}; this machine may use {left[0] / 1e9:.3f} GB now ({left[1].replace(': ', ' ')}) - {fits}"
+
+
+HOST_SIZES = ((128 * 2**30, "a 128 GiB host (one H200 server)"), (256 * 2**30, "a 256 GiB host"),
+              (480 * 10**9, "a GH200's 480 GB"))
+
+
+def fits_hosts(need: int) -> str:
+    """Which of the usual host sizes `need` bytes fit in, in GiB (the smallest that does)."""
+    for size, what in HOST_SIZES:
+        if need <= size:
+            return f"{need / 2**30:.1f} GiB fits {what}"
+    return f"{need / 2**30:.1f} GiB exceeds {HOST_SIZES[-1][1]}"
 
 
 def per_host_lines(rows, ranks_per_host: int, num_machines: int, device_is_host: bool) -> str:
@@ -112,15 +153,22 @@ def per_host_lines(rows, ranks_per_host: int, num_machines: int, device_is_host:
     return "\n".join(lines)
 
 
-def _model_config(recipe: Recipe) -> Optional[Any]:
+def _model_config(recipe: Recipe) -> tuple[Optional[Any], Optional[Any]]:
+    """(the model's config, the shipped recipes/models/ directory it came from or None): the
+    recipe's own config, a local (or hub-cached) config.json, else a shipped copy (catalog.py)."""
     from transformers import AutoConfig
+
+    from superoffload_hf.train.catalog import shipped_model_dir
 
     if recipe.model.config is not None:
         values = dict(recipe.model.config)
         if recipe.tokenizer.shipped:
             values.setdefault("vocab_size", recipe.tokenizer.vocab_size)
-        return AutoConfig.for_model(values.pop("model_type", "llama"), **values)
+        return AutoConfig.for_model(values.pop("model_type", "llama"), **values), None
     try:
-        return AutoConfig.from_pretrained(recipe.model.name_or_path, local_files_only=True)
+        return AutoConfig.from_pretrained(recipe.model.name_or_path, local_files_only=True), None
     except (OSError, ValueError):
-        return None
+        shipped = shipped_model_dir(recipe.model.name_or_path)
+        if shipped is None:
+            return None, None
+        return AutoConfig.from_pretrained(str(shipped), local_files_only=True), shipped
