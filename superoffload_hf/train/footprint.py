@@ -54,6 +54,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
                      f"1/{num_processes} of every host bucket's master, moments and gradient staging):")
     lines.append(format_footprint(rows, n))
     lines.append(state_line(rows, config.state_precision, n, shard_world))
+    lines.append(weights_line(model, params, rows, config.weights))
     lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
@@ -75,6 +76,26 @@ def state_line(rows, state_precision: str, num_params: int, shard_world: Optiona
         line += ", none with speculation off)" if state_precision != "fp32" else ")"
     if state_precision != "fp32" and shard_world is not None:
         line += "; compact state under data parallelism is not implemented yet (the optimizer refuses it)"
+    return line
+
+
+def weights_line(model, params, rows, weights: str) -> str:
+    """Which units flow (engine/flow.py plan_flow: the blocks, the embedding, the head) and the
+    device's weights with and without weight-flow (`weights` "auto" decides at construction,
+    against the device's free memory)."""
+    from superoffload_hf.engine.flow import plan_flow
+
+    plan = plan_flow(model, params)
+    stationary = sum(r.nbytes for r in rows if r.what == "device params")
+    flowing = stationary - plan.nbytes + plan.peak_bytes  # units kept on the device stay
+    chosen = {"stationary": "stationary", "flow": "flow", "auto": "auto (flow if the stationary device memory does "
+              "not fit the free device memory at construction)"}[weights]
+    names = [u.name for u in plan.units]
+    shown = ", ".join(names if len(names) <= 6 else names[:3] + ["..."] + names[-3:])
+    line = (f"  weights {chosen}; device weights stationary {stationary / 1e9:.3f} GB, with flow <= "
+            f"{flowing / 1e9:.3f} GB ({len(plan.units)} units flow, prefetch depth {plan.depth} - {shown})")
+    if plan.stationary:
+        line += f"; on the device under flow too - {', '.join(plan.stationary)}"
     return line
 
 
