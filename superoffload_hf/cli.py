@@ -492,6 +492,8 @@ class TrainSummary:
     resumed_from_step: Optional[int]
     host_state: Optional[str] = None
     """The optimizer's host state precision and bytes per parameter (None: the stock optimizer)."""
+    device_peak: Optional[int] = None
+    """Peak device bytes allocated (None: the CPU as the device, or the stock optimizer)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -508,6 +510,7 @@ class TrainSummary:
             f"  rollbacks      {_or_na(self.rollbacks)}",
             f"  skipped steps  {_or_na(self.skipped_steps)}",
             *([f"  host state     {self.host_state}"] if self.host_state is not None else []),
+            *([f"  device peak    {self.device_peak / 1e9:.3f} GB"] if self.device_peak is not None else []),
             f"  checkpoint     {self.checkpoint}",
         ]
         return "\n".join(lines)
@@ -537,7 +540,13 @@ def _summarize(recipe: Recipe, args: Any, trainer: Any, output: Any, recorder: _
         checkpoint=checkpoint,
         resumed_from_step=recorder.start_step if recorder.start_step else None,
         host_state=_host_state(trainer),
+        device_peak=_device_peak(trainer),
     )
+
+
+def _device_peak(trainer: Any) -> Optional[int]:
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return optimizer.device_memory_peak() if hasattr(optimizer, "device_memory_peak") else None
 
 
 def _host_state(trainer: Any) -> Optional[str]:

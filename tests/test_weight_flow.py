@@ -133,6 +133,9 @@ def test_flow_trains_within_a_quarter_of_the_weights_and_matches_torch_adamw_eve
         peak = opt.device_memory_peak()
         assert peak <= weight_bytes // 4 and opt._engine.flow.fetches >= 3 * 2 * 19, (peak, weight_bytes)
         assert peak >= 2 * sum(p.numel() * 4 for p in model.model.layers[0].parameters())  # a block and the next
+        masters = [state[i]["master_param"].clone() for i in range(len(names))]
+    for p, master in zip(model.parameters(), masters):  # closed: too big for the device, left on the host
+        assert torch.equal(p.detach(), master)
 
 
 def test_stationary_that_does_not_fit_is_refused_before_training_naming_weights_flow(quarter_budget_sim):
@@ -192,3 +195,68 @@ def test_the_full_flow_seam_on_the_simulated_device_matches_the_cpu_device_bitwi
     got = _run_flow()
     assert not sim.errors, sim.errors
     assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("device_mode")
+def test_a_flow_run_saved_and_resumed_continues_bitwise_like_the_uninterrupted_one(tmp_path):
+    """load_state_dict writes the host masters; the units still on the device are released and
+    fetched again from the loaded state at their next use."""
+    def make():
+        model = tiny_llama(num_layers=2)
+        opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
+                                config=engine_config(device_buckets=0, weights="flow", speculation="on"))
+        return model, opt
+
+    def steps(model, opt, which):
+        for step in which:
+            (batch,) = micro_batches(step)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = make()
+    with opt:
+        steps(model, opt, range(4))
+        want = {name: p.detach().clone() for name, p in read_params(model).items()}
+    model, opt = make()
+    with opt:
+        steps(model, opt, range(2))
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    model, opt = make()
+    with opt:
+        model(**micro_batches(99)[0])  # a forward first: units fetched and released with the fresh weights
+        saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        steps(model, opt, range(2, 4))
+        got = read_params(model)
+        for name, value in want.items():
+            assert torch.equal(got[name].detach(), value), f"{name} differs after the resume"
+
+
+@pytest.mark.usefixtures("device_mode")
+def test_after_close_the_parameters_hold_the_trained_weights_again():
+    model = tiny_llama(num_layers=2)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model,
+                            config=engine_config(device_buckets=0, weights="flow"))
+    for step in range(2):
+        (batch,) = micro_batches(step)
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    masters = [v["master_param"].clone() for _, v in sorted(opt.state_dict()["state"].items())]
+    assert any(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # released between uses
+    opt.close()
+    for p, master in zip(model.parameters(), masters):
+        assert torch.equal(p.detach(), master)
+
+
+@pytest.mark.sim
+def test_auto_keeps_the_weights_stationary_where_they_fit(sim):
+    model = tiny_llama(num_layers=1)
+    with SuperOffloadAdamW(model.parameters(), model=model,
+                           config=engine_config(device_buckets=0, weights="auto")) as opt:
+        assert opt._engine.flow is None and "weights flow" not in opt.describe()

@@ -148,7 +148,7 @@ class Engine:
         self.flow: Optional[WeightFlow] = None
         if self.layout.flow:  # the host holds the units' weights now: released before the device counts them
             self.flow = WeightFlow(plan_flow(model, self.params), self.params, self.buckets, self.runtime,
-                                   self.transfer)
+                                   self.transfer, counters=counters)
             self.flow.release_all()
             self.jobs.flows = self.flow.flows
         self.runtime.adopt(self.params)
@@ -422,6 +422,9 @@ class Engine:
                 # the hooks are gone: no later forward waits for the copy-backs in flight, so
                 # order the compute stream after them here
                 self.synchronize()
+                if self.flow is not None and self.flow.restore() == "host":
+                    logger.warning("SuperOffload: the model's flowing weights do not fit on the device: after close() "
+                                   "they are host tensors (move the model where it fits before using it)")
                 self.observer.close()
         finally:
             self.worker.stop()

@@ -114,7 +114,9 @@ def unit_params(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
     return params
 
 
-def plan_flow(model: torch.nn.Module, params: list[torch.Tensor], depth: int = DEFAULT_DEPTH) -> FlowPlan:
+def plan_flow(model: torch.nn.Module, params: list[torch.Tensor], depth: int = DEFAULT_DEPTH,
+              element_bytes: Optional[int] = None) -> FlowPlan:
+    """`element_bytes`: of the device dtype (default: as the parameters are now)."""
     index_of = {id(p): i for i, p in enumerate(params)}
     flowing, kept = [], []
     for name, modules in find_units(model):
@@ -123,7 +125,7 @@ def plan_flow(model: torch.nn.Module, params: list[torch.Tensor], depth: int = D
             kept.append(f"{name} (parameters the optimizer does not train)")
             continue
         flowing.append(UnitSpec(name, tuple(index_of[id(p)] for p in ps),
-                                sum(p.numel() * p.element_size() for p in ps)))
+                                sum(p.numel() * (element_bytes or p.element_size()) for p in ps)))
     return FlowPlan(tuple(flowing), tuple(kept), depth)
 
 
@@ -148,8 +150,10 @@ class WeightFlow:
     """The run-time part: gets the plan, the parameters, the buckets (for the host sources and
     their fetch events), the runtime, the waiter (the buckets' host jobs) and the omitted syncs."""
 
-    def __init__(self, plan: FlowPlan, params: list[torch.Tensor], buckets, runtime, transfer, waiter=None):
+    def __init__(self, plan: FlowPlan, params: list[torch.Tensor], buckets, runtime, transfer, waiter=None,
+                 counters=None):
         self.plan, self.buckets, self.runtime, self.waiter = plan, buckets, runtime, waiter
+        self.counters = counters  # OffloadCounters: fetched bytes count in bytes_h2d
         self.transfer = transfer  # its `omitted` (the mutation tests) also names flow's syncs
         self.stream = runtime.new_stream()
         self.units = [_Unit(spec, [params[i] for i in spec.params]) for spec in plan.units]
@@ -258,7 +262,10 @@ class WeightFlow:
         for p in unit.params:  # the worker waits for it before writing these host buffers
             self.buckets.runtime_of[p].fetch_event = done
         self.fetches += 1
-        self.bytes_fetched += sum(p.numel() * p.element_size() for p in unit.params)
+        moved = sum(p.numel() * p.element_size() for p in unit.params)
+        self.bytes_fetched += moved
+        if self.counters is not None:
+            self.counters.bytes_h2d += moved
 
     def source(self, p: torch.Tensor) -> torch.Tensor:
         from superoffload_hf.engine.buffers import BucketBuffers
@@ -282,6 +289,23 @@ class WeightFlow:
         for unit in self.units:
             if unit.resident:
                 self.release(unit)
+
+    def restore(self) -> str:
+        """close(): the host copies are about to go, so every unit's weights go back into its
+        parameters: on the device when they fit in its free memory, else (a model that never fit)
+        as host tensors, which the caller should say. Returns "device" or "host"."""
+        away = [u for u in self.units if not u.resident]
+        need = sum(sum(u.nbytes) for u in away)
+        if need <= self.runtime.memory_info()[0]:
+            for unit in away:
+                self.ensure(unit)
+            return "device"
+        with torch.no_grad():
+            for unit in away:
+                for p in unit.params:
+                    p.data = self.source(p).clone()  # (the host copy is freed with the buckets)
+                unit.resident = True
+        return "host"
 
     def fetch_all(self) -> None:
         """Every unit on the device and waited for (a state_dict of the model, a load)."""

@@ -54,7 +54,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
                      f"1/{num_processes} of every host bucket's master, moments and gradient staging):")
     lines.append(format_footprint(rows, n))
     lines.append(state_line(rows, config.state_precision, n, shard_world))
-    lines.append(weights_line(model, params, rows, config.weights))
+    lines.append(weights_line(model, params, config))
     lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
@@ -79,14 +79,16 @@ def state_line(rows, state_precision: str, num_params: int, shard_world: Optiona
     return line
 
 
-def weights_line(model, params, rows, weights: str) -> str:
+def weights_line(model, params, config) -> str:
     """Which units flow (engine/flow.py plan_flow: the blocks, the embedding, the head) and the
     device's weights with and without weight-flow (`weights` "auto" decides at construction,
     against the device's free memory)."""
     from superoffload_hf.engine.flow import plan_flow
+    from superoffload_hf.engine.layout import DTYPES
 
-    plan = plan_flow(model, params)
-    stationary = sum(r.nbytes for r in rows if r.what == "device params")
+    weights, element_bytes = config.weights, DTYPES[config.device_dtype].itemsize
+    plan = plan_flow(model, params, element_bytes=element_bytes)
+    stationary = sum(p.numel() for p in params) * element_bytes  # (on the CPU device: the masters themselves)
     flowing = stationary - plan.nbytes + plan.peak_bytes  # units kept on the device stay
     chosen = {"stationary": "stationary", "flow": "flow", "auto": "auto (flow if the stationary device memory does "
               "not fit the free device memory at construction)"}[weights]
