@@ -108,7 +108,10 @@ class Engine:
         self.layout.flow = config.weights == "flow"
         self.cast = self.layout.resolve_cast(self.transfer)
         if collectives is None:  # (decided from the stationary layout's memory; flow needs the model)
-            flow = decide_weights(config, self.layout, self.runtime, self._stationary_buffers, self.params, model)
+            stationary = self.layout.buffer_policy(self.cast, self.transfer.pin_memory,
+                                                   self.runtime.pinned_rounds_to_power_of_two,
+                                                   host_is_device=self.runtime.host_is_device)
+            flow = decide_weights(config.weights, self.layout.initial_plan(), stationary, self.runtime, model)
             if flow == "flow" and not self.layout.flow:
                 self.layout.flow = True
                 self.cast = self.layout.resolve_cast(self.transfer)
@@ -224,11 +227,6 @@ class Engine:
                 f"rollback {self._rollback_note()}, state {self.state_note()}, host Adam {self.adam.name}/{self.adam.isa} "
                 f"x{self.adam.threads} threads ({self.host_threads_note}){dp}"
                 + (f", {self.flow.note()}" if self.flow is not None else ""))
-
-    def _stationary_buffers(self, flow: bool):
-        """The buffer policy of the layout without weight-flow (decide_weights sizes it)."""
-        return self.layout.buffer_policy(self.cast, self.transfer.pin_memory, self.runtime.pinned_rounds_to_power_of_two,
-                                         host_is_device=self.runtime.host_is_device)
 
     def _rollback_note(self) -> str:
         return "snapshot (compact bytes)" if self.buckets.policy.compact else self.config.rollback

@@ -356,15 +356,15 @@ def choose_weights(choice: str, weight_bytes: int, buffer_bytes: int, free_bytes
     return choice
 
 
-def decide_weights(config, layout, runtime, buffers_for, params: list[torch.Tensor], model) -> str:
-    """"stationary" or "flow" for this run, before anything is allocated: the memory check of
-    the stationary layout (`buffers_for(flow)`: the buffer policy) against the device's free
-    memory. On the CPU device nothing is checked (the host memory check covers it)."""
+def decide_weights(choice: str, plan, stationary_policy, runtime, model) -> str:
+    """"stationary" or "flow" (config `weights`: `choice`) for this run, before anything is
+    allocated: what the stationary layout (`plan` under `stationary_policy`) puts on the device
+    against the device's free memory. On the CPU device nothing is checked (the host memory check
+    covers it)."""
     from superoffload_hf.engine.memory import footprint
 
-    choice = config.weights
     if not runtime.host_is_device:
-        rows = footprint(layout.initial_plan(), buffers_for(False))
+        rows = footprint(plan, stationary_policy)
         weight_bytes = sum(r.nbytes for r in rows if r.what == "device params")
         buffer_bytes = sum(r.nbytes for r in rows if r.place == "device" and r.what != "device params")
         free, total = runtime.memory_info()

@@ -138,9 +138,12 @@ class HostJobs:
             return
         if rt.params_alias_master:
             return  # the parameters are views of master: the step updated them in place
-        ks = [k for k in stepper.run_slots(call) if not self.flows(rt.params[k])]  # flow: fetched at use
-        if not ks:
-            return
+        ks = stepper.run_slots(call)
+        kept = [k for k in ks if not self.flows(rt.params[k])]  # weight-flow's: fetched at their next use
+        if len(kept) < len(ks):
+            if not kept:
+                return
+            ks = kept
         src = rt.bufs.copy_back_source  # compact state: master_bf16, sent as it is
         start = time.perf_counter()
         rt.h2d_event = self.transfer.params_to_device(
