@@ -260,3 +260,23 @@ def test_auto_keeps_the_weights_stationary_where_they_fit(sim):
     with SuperOffloadAdamW(model.parameters(), model=model,
                            config=engine_config(device_buckets=0, weights="auto")) as opt:
         assert opt._engine.flow is None and "weights flow" not in opt.describe()
+
+
+def test_the_timeline_shows_each_units_fetches_on_the_host_to_device_track(tmp_path):
+    import json
+
+    model = tiny_llama(num_layers=2)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, config=engine_config(
+        device_buckets=0, weights="flow", timeline_dir=str(tmp_path / "tl"), timeline_steps=[2]))
+    with opt:
+        for step in range(3):  # (step 3 ends step 2's window: close()'s fetches are not in it)
+            (batch,) = micro_batches(step)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    events = json.loads((tmp_path / "tl" / "trace.json").read_text())["traceEvents"]
+    tid_of = {e["args"]["name"]: e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    fetches = [e["name"] for e in events if e.get("ph") == "X" and e["tid"] == tid_of["host-to-device"]]
+    # step 2: each unit fetched for its forward and again for its backward
+    for unit in ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"):
+        assert fetches.count(f"fetch {unit}") == 2, (unit, " | ".join(fetches))

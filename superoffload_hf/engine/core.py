@@ -151,7 +151,7 @@ class Engine:
         self.flow: Optional[WeightFlow] = None
         if self.layout.flow:  # the host holds the units' weights now: released before the device counts them
             self.flow = WeightFlow(plan_flow(model, self.params), self.params, self.buckets, self.runtime,
-                                   self.transfer, counters=counters)
+                                   self.transfer, counters=counters, timeline=self.observer.timeline)
             self.flow.release_all()
             self.jobs.flows = self.flow.flows
         self.runtime.adopt(self.params)

@@ -34,6 +34,7 @@ foreign ones) stay on the device.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -151,9 +152,10 @@ class WeightFlow:
     their fetch events), the runtime, the waiter (the buckets' host jobs) and the omitted syncs."""
 
     def __init__(self, plan: FlowPlan, params: list[torch.Tensor], buckets, runtime, transfer, waiter=None,
-                 counters=None):
+                 counters=None, timeline=None):
         self.plan, self.buckets, self.runtime, self.waiter = plan, buckets, runtime, waiter
         self.counters = counters  # OffloadCounters: fetched bytes count in bytes_h2d
+        self.timeline = timeline  # perf/timeline.py: each fetch on the h2d track (host issue time)
         self.transfer = transfer  # its `omitted` (the mutation tests) also names flow's syncs
         self.stream = runtime.new_stream()
         self.units = [_Unit(spec, [params[i] for i in spec.params]) for spec in plan.units]
@@ -248,6 +250,7 @@ class WeightFlow:
         # The buckets' host jobs have finished writing these weights (a speculatively stepped
         # bucket is rolled back first: a forward before step() reads the weights of before it).
         self.waiter.wait_for_params(unit.params)
+        start = time.perf_counter()
         with torch.no_grad(), rt.on_stream(self.stream):
             if self.last_release is not None and self._keeps("fetch_waits_release"):
                 # the memory the allocator hands out may be a released unit's: its readers first
@@ -266,6 +269,11 @@ class WeightFlow:
         self.bytes_fetched += moved
         if self.counters is not None:
             self.counters.bytes_h2d += moved
+        if self.timeline is not None:
+            from superoffload_hf.perf.timeline import H2D
+
+            self.timeline.span(H2D, f"fetch {unit.spec.name}", start, time.perf_counter(), bytes=moved,
+                               clock="host (issue)")
 
     def source(self, p: torch.Tensor) -> torch.Tensor:
         from superoffload_hf.engine.buffers import BucketBuffers
