@@ -723,6 +723,13 @@ class SimRuntime:
             self._count_params()
             return self.device_memory.allocated
 
+    def buffer_bytes(self) -> int:
+        """Device bytes of the runtime's own allocations (device_empty) only: what an engine holds,
+        without the adopted parameters, which belong to the model."""
+        with self._lock:
+            self._settle()
+            return self._live_bytes
+
     def max_memory_allocated(self) -> int:
         """The peak of memory_allocated() since the start or reset_peak_memory_stats()."""
         with self._lock:
