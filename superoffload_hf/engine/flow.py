@@ -149,7 +149,8 @@ class _Unit:
 
 class WeightFlow:
     """The run-time part: gets the plan, the parameters, the buckets (for the host sources and
-    their fetch events), the runtime, the waiter (the buckets' host jobs) and the omitted syncs."""
+    their fetch events), the runtime, the transfer (whose `omitted` the mutation tests set), the
+    waiter (the buckets' host jobs; set once the engine has built it), counters and timeline."""
 
     def __init__(self, plan: FlowPlan, params: list[torch.Tensor], buckets, runtime, transfer, waiter=None,
                  counters=None, timeline=None):
