@@ -494,6 +494,8 @@ class TrainSummary:
     """The optimizer's host state precision and bytes per parameter (None: the stock optimizer)."""
     timeline: Optional[str] = None
     """Where the step timeline was written (None: no `--timeline`)."""
+    device_peak: Optional[int] = None
+    """Peak device bytes allocated (None: the CPU as the device, or the stock optimizer)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -510,6 +512,7 @@ class TrainSummary:
             f"  rollbacks      {_or_na(self.rollbacks)}",
             f"  skipped steps  {_or_na(self.skipped_steps)}",
             *([f"  host state     {self.host_state}"] if self.host_state is not None else []),
+            *([f"  device peak    {self.device_peak / 1e9:.3f} GB"] if self.device_peak is not None else []),
             f"  checkpoint     {self.checkpoint}",
             *([f"  timeline       {self.timeline}"] if self.timeline is not None else []),
         ]
@@ -541,7 +544,13 @@ def _summarize(recipe: Recipe, args: Any, trainer: Any, output: Any, recorder: _
         resumed_from_step=recorder.start_step if recorder.start_step else None,
         host_state=_host_state(trainer),
         timeline=_timeline(trainer),
+        device_peak=_device_peak(trainer),
     )
+
+
+def _device_peak(trainer: Any) -> Optional[int]:
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return optimizer.device_memory_peak() if hasattr(optimizer, "device_memory_peak") else None
 
 
 def _timeline(trainer: Any) -> Optional[str]:

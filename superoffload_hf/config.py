@@ -21,6 +21,7 @@ CAST_CHOICES = ("auto", "device", "host")
 DEVICE_DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 HOST_KERNEL_CHOICES = ("auto", "cpp", "reference")
 STATE_PRECISION_CHOICES = ("fp32", "compact", "compact32")
+WEIGHTS_CHOICES = ("stationary", "flow", "auto")
 
 
 class ConfigError(ValueError):
@@ -82,6 +83,18 @@ class SuperOffloadConfig:
     keep fp32 state on the device. A speculative step of a compact bucket is undone by
     restoring the bytes it had before (whatever `rollback` says: quantisation is not
     invertible)."""
+
+    weights: str = "stationary"
+    """Where the low-precision weights the device computes with live between uses.
+    "stationary": on the device, all of them, all the time. "flow": on the host (the copy the
+    host Adam writes: the low-precision copy under cast "host", the fp32 master under fp32),
+    streamed in per unit (a decoder block; the embedding and the head, a tied pair as one unit)
+    on a side stream before its forward, prefetched one unit ahead, released after it (storage
+    resized to 0), fetched again in reverse order for its backward and released when its
+    gradients have left; device memory then holds about two units of weights. "auto": flow
+    when the weights and the engine's device buffers do not fit in the free device memory, else
+    stationary. One process, `state_precision: fp32` and `device_dtype` fp32 or bf16 so far
+    (docs/weight-flow.md)."""
 
     host_threads: Union[int, str] = AUTO
     """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on
@@ -161,6 +174,22 @@ class SuperOffloadConfig:
                 "compact state stores the master weight as the bf16 weight the device computes with plus "
                 "an error term, so it needs `device_dtype: bf16` (under Accelerate / the Trainer: bf16 "
                 "mixed precision). Set `device_dtype: bf16`, or `state_precision: fp32`.")
+        _check_choice("weights", self.weights, WEIGHTS_CHOICES)
+        if self.weights != "stationary" and self.state_precision != "fp32":
+            raise ConfigError(
+                f"`weights` is {self.weights!r} with `state_precision` {self.state_precision!r}: weight-flow "
+                "streams fp32 state's low-precision copy so far; the compact bf16 part is not wired in yet. "
+                "Use `state_precision: fp32` with weight-flow, or `weights: stationary`.")
+        if self.weights == "flow" and self.device_buckets not in (AUTO, 0):
+            raise ConfigError(
+                f"`weights: flow` with `device_buckets: {self.device_buckets}`: a device-resident bucket keeps its "
+                "weights and state on the device, which weight-flow frees for activations. Set "
+                "`device_buckets: 0` (or \"auto\": none under flow), or `weights: stationary`.")
+        if self.weights != "stationary" and self.device_dtype == "fp16":
+            raise ConfigError(
+                f"`weights` is {self.weights!r} with `device_dtype: fp16`: weight-flow is implemented and "
+                "tested for fp32 and bf16 device weights. Use `device_dtype: bf16` (or fp32), or "
+                "`weights: stationary`.")
         _check_auto_or_int("host_threads", self.host_threads, minimum=1)
         if self.host_cores is not None:
             cores = self.host_cores

@@ -35,7 +35,7 @@ class OffloadCounters:
     bytes_d2h: int = 0
     """Gradient bytes moved from the device to the host."""
     bytes_h2d: int = 0
-    """Parameter bytes moved from the host to the device."""
+    """Parameter bytes moved from the host to the device (copy-backs, and weight-flow's fetches)."""
     device_wait_seconds: float = 0.0
     """Seconds the device sat idle waiting for the host: on an accelerator, the time the compute
     stream stalled at the next forward's per-bucket waits for copy-backs, measured with timing

@@ -42,7 +42,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None,
-                 config: ConfigLike = None, process_group=None):
+                 config: ConfigLike = None, process_group=None, model: Optional[torch.nn.Module] = None):
         _check_hyper(lr, betas, eps, weight_decay)
         self._constructing = True
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -55,7 +55,8 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         self.counters = OffloadCounters()
         self.last_grad_norm: Optional[float] = None
         self.last_step_skipped = False
-        self._engine = Engine(self.param_groups, self._adamw, self.config, self.counters, process_group)
+        # `model`: what weight-flow hooks (config `weights`: its units are the model's blocks)
+        self._engine = Engine(self.param_groups, self._adamw, self.config, self.counters, process_group, model=model)
         self._engine.max_grad_norm = self._max_grad_norm
         self._finalizer = weakref.finalize(self, self._engine.close)
 
@@ -167,6 +168,11 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         e.g. "compact 5.184 B/param" (config `state_precision`)."""
         return self._engine.state_note()
 
+    def device_memory_peak(self) -> Optional[int]:
+        """Peak device bytes allocated (the runtime's `max_memory_allocated()`: torch's on an
+        accelerator, the simulated device's budget accounting on it), None on the CPU device."""
+        return self._engine.runtime.max_memory_allocated()
+
     def describe(self) -> str:
         """One line: buckets, device dtype, cast, speculation, rollback, host Adam back end/ISA/threads."""
         return self._engine.summary()
@@ -232,9 +238,9 @@ class SuperOffloadAdam(_SuperOffloadOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: Optional[float] = None,
-                 config: ConfigLike = None, process_group=None):
+                 config: ConfigLike = None, process_group=None, model: Optional[torch.nn.Module] = None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, config=config, process_group=process_group)
+                         max_grad_norm=max_grad_norm, config=config, process_group=process_group, model=model)
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:

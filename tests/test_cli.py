@@ -339,6 +339,17 @@ def test_dry_run_with_compact_state_prints_its_kinds_bytes_per_param_and_snapsho
     assert "snapshot" not in off  # nothing is ever speculated: no pre-step bytes to keep
 
 
+def test_dry_run_prints_which_units_flow_and_the_device_weights_with_and_without(capsys):
+    memory, rows = dry_run_memory(capsys, "--superoffload.weights", "flow")
+    line = next(x for x in memory.splitlines() if x.startswith("  weights flow; "))
+    stationary = float(line.split("stationary ")[1].split(" GB")[0])
+    flowing = float(line.split("with flow <= ")[1].split(" GB")[0])
+    assert stationary == pytest.approx(rows["device params"][1], abs=0.0011), (line, rows["device params"])
+    assert 0 < flowing < stationary and "units flow, prefetch depth 1 - model.layers.0" in line, line
+    default, _ = dry_run_memory(capsys)
+    assert "  weights stationary; device weights stationary" in default
+
+
 def test_dry_run_with_num_processes_prints_a_rank_with_a_shard_of_the_host_state_and_a_host(capsys):
     alone, single = dry_run_memory(capsys)
     memory, rank = dry_run_memory(capsys, "--num_processes", "4")

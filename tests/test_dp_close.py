@@ -54,7 +54,7 @@ def _close_and_drop(rank: int, world: int) -> dict:
     sim = SimRuntime.shared()
     facts = {}
     with on_device(rank):  # as torch.cuda.set_device(local_rank) in the training script
-        before = sim.memory_info()[1] - sim.memory_info()[0]
+        before = sim.buffer_bytes()
         _, opt = _trained()
         assert opt._engine.dp is not None and opt._engine.dp._gather_pairs
         ledger, refs = opt._engine.buckets.ledger, _held(opt)[2:]
@@ -64,7 +64,7 @@ def _close_and_drop(rank: int, world: int) -> dict:
             opt.close()
             facts["closed: ledger bytes"] = ledger.bytes()
             facts["closed: buffers alive"] = sum(r() is not None for r in refs)
-            facts["closed: device bytes held"] = sim.memory_info()[1] - sim.memory_info()[0] - before
+            facts["closed: device bytes held"] = sim.buffer_bytes() - before
             del opt
             _, opt = _trained()
             ledger, refs = opt._engine.buckets.ledger, _held(opt)
@@ -72,7 +72,7 @@ def _close_and_drop(rank: int, world: int) -> dict:
             facts["dropped: engine, dp alive"] = [r() is not None for r in refs[:2]]
             facts["dropped: ledger bytes"] = ledger.bytes()
             facts["dropped: buffers alive"] = sum(r() is not None for r in refs[2:])
-            facts["dropped: device bytes held"] = sim.memory_info()[1] - sim.memory_info()[0] - before
+            facts["dropped: device bytes held"] = sim.buffer_bytes() - before
         finally:
             gc.enable()
     facts["device"] = sim.name

@@ -92,12 +92,16 @@ def make_pair(speculation: str, *, groups: Callable = all_params, kind: str = "a
                                  **config_changes)
     model = tiny_llama(num_layers, tie_word_embeddings=tie)
     ref_model = tiny_llama(num_layers, tie_word_embeddings=tie)
+    flow = {}
+    if config_changes.get("weights", "stationary") != "stationary":  # weight-flow hooks the model's blocks
+        flow = {"model": model}
+        config_changes.setdefault("device_buckets", 0)
     config = engine_config(speculation=speculation, **config_changes)
     if kind == "adamw":
-        opt = SuperOffloadAdamW(groups(model), lr=LR, weight_decay=weight_decay, config=config)
+        opt = SuperOffloadAdamW(groups(model), lr=LR, weight_decay=weight_decay, config=config, **flow)
         ref_opt = torch.optim.AdamW(groups(ref_model), lr=LR, weight_decay=weight_decay, foreach=False)
     else:
-        opt = SuperOffloadAdam(groups(model), lr=LR, weight_decay=weight_decay, config=config)
+        opt = SuperOffloadAdam(groups(model), lr=LR, weight_decay=weight_decay, config=config, **flow)
         ref_opt = torch.optim.Adam(groups(ref_model), lr=LR, weight_decay=weight_decay, foreach=False)
     return Pair(model, opt, ref_model, ref_opt)
 
@@ -201,9 +205,19 @@ def skip_is_exact(speculation: str, rollback: str = "inverse") -> bool:
 @pytest.mark.parametrize("clipping", list(CLIPPING))
 @pytest.mark.parametrize("speculation", SPECULATION)
 def test_matches_torch_adamw_with_clipping(speculation, clipping):
-    pair = make_pair(speculation)
+    _matches_torch_adamw_with_clipping(speculation, clipping)
+
+
+@pytest.mark.parametrize("speculation, clipping", [("on", "mild"), ("off", "alternating")])
+def test_weight_flow_matches_torch_adamw_with_clipping(speculation, clipping):
+    """Weight-flow (engine/flow.py): every unit streamed from the host copy the host Adam writes."""
+    _matches_torch_adamw_with_clipping(speculation, clipping, steps=8, weights="flow")
+
+
+def _matches_torch_adamw_with_clipping(speculation, clipping, steps=STEPS, **changes):
+    pair = make_pair(speculation, **changes)
     try:
-        run_side_by_side(pair, CLIPPING[clipping])
+        run_side_by_side(pair, CLIPPING[clipping], steps=steps)
         counters = pair.opt.counters
         assert counters.skips == 0
         if speculation == "off":
@@ -298,19 +312,21 @@ def test_non_finite_loss_skips_the_step(rollback):
         pair.close()
 
 
-@pytest.mark.parametrize("speculation, source", [
-    ("on", "count"), ("off", "count"), ("auto", "count"), ("on", "sync_source"),
+@pytest.mark.parametrize("speculation, source, weights", [
+    ("on", "count", "stationary"), ("off", "count", "stationary"), ("auto", "count", "stationary"),
+    ("on", "sync_source", "stationary"), ("on", "count", "flow"),
 ])
-def test_gradient_accumulation_of_four_matches_torch(speculation, source):
+def test_gradient_accumulation_of_four_matches_torch(speculation, source, weights):
     if source == "count":
-        pair, sync_flag = make_pair(speculation, gradient_accumulation_steps=4), None
+        pair, sync_flag = make_pair(speculation, gradient_accumulation_steps=4, weights=weights), None
     else:
         pair, sync_flag = make_pair(speculation), {"last": False}
         pair.opt.set_gradient_sync_source(lambda: sync_flag["last"])
+    steps = STEPS if weights == "stationary" else 6  # (keeps the flow case to seconds)
     try:
-        skipped = run_side_by_side(pair, FEATURE_CLIPPING, accumulation=4, sync_flag=sync_flag)
+        skipped = run_side_by_side(pair, FEATURE_CLIPPING, steps=steps, accumulation=4, sync_flag=sync_flag)
         # one optimizer step per accumulation step of four micro-batches, none skipped
-        assert skipped == [False] * STEPS and pair.opt.counters.steps == STEPS, pair.opt.counters.as_dict()
+        assert skipped == [False] * steps and pair.opt.counters.steps == steps, pair.opt.counters.as_dict()
     finally:
         pair.close()
 
@@ -365,11 +381,12 @@ def test_superoffload_adam_defaults_to_no_weight_decay():
         opt.close()
 
 
-@pytest.mark.parametrize("speculation", ["on", "auto"])
-def test_tied_embeddings_match_torch(speculation):
+@pytest.mark.parametrize("speculation, weights", [("on", "stationary"), ("auto", "stationary"), ("on", "flow")])
+def test_tied_embeddings_match_torch(speculation, weights):
     """A parameter used twice in forward gets its gradient from two places: the engine must
-    take it after both contributions have been accumulated."""
-    pair = make_pair(speculation, tie=True)
+    take it after both contributions have been accumulated (under weight-flow the tied embedding
+    and head are one unit, fetched for both uses)."""
+    pair = make_pair(speculation, tie=True, weights=weights)
     try:
         assert pair.model.lm_head.weight is pair.model.model.embed_tokens.weight
         run_side_by_side(pair, FEATURE_CLIPPING)
@@ -630,9 +647,9 @@ def test_zero_grad_between_backward_and_step_discards_those_gradients(speculatio
         pair.close()
 
 
-@pytest.mark.parametrize("speculation", ["on", "off"])
-def test_an_evaluation_forward_between_backward_and_step_sees_the_weights_before_the_step(speculation):
-    pair = make_pair(speculation)
+@pytest.mark.parametrize("speculation, weights", [("on", "stationary"), ("off", "stationary"), ("on", "flow")])
+def test_an_evaluation_forward_between_backward_and_step_sees_the_weights_before_the_step(speculation, weights):
+    pair = make_pair(speculation, weights=weights)
     probe = micro_batches(999)[0]
     try:
         for step in range(6):
@@ -654,11 +671,12 @@ def test_an_evaluation_forward_between_backward_and_step_sees_the_weights_before
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")  # the old name works on every supported version
-@pytest.mark.parametrize("device_buckets", [0, 1])
-def test_gradient_checkpointing_recomputation_matches_torch(device_buckets):
+@pytest.mark.parametrize("device_buckets, weights", [(0, "stationary"), (1, "stationary"), (0, "flow")])
+def test_gradient_checkpointing_recomputation_matches_torch(device_buckets, weights):
     """Activation checkpointing re-runs forward inside backward: those recomputations must read
-    the weights of before the step even while other buckets are being stepped on the host."""
-    pair = make_pair("on", bucket_size_mb=0.005, device_buckets=device_buckets)
+    the weights of before the step even while other buckets are being stepped on the host (under
+    weight-flow: one fetch serves the recomputation and the backward)."""
+    pair = make_pair("on", bucket_size_mb=0.005, device_buckets=device_buckets, weights=weights)
     try:
         for model in (pair.model, pair.ref_model):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -349,6 +349,15 @@ def test_resolved_recipe_round_trips_through_to_dict():
     assert isinstance(again, Recipe) and again.to_dict() == recipe.to_dict()
 
 
+def test_weights_travel_in_the_superoffload_section_and_a_bad_value_names_the_choices():
+    recipe = recipe_from_dict(minimal_recipe(superoffload={"weights": "flow", "device_buckets": 0}))
+    assert recipe.superoffload["weights"] == "flow"
+    overridden = apply_overrides(minimal_recipe(), parse_overrides(["--superoffload.weights", "auto"]))
+    assert recipe_from_dict(overridden).superoffload["weights"] == "auto"
+    with pytest.raises(RecipeError, match=r"`weights` is 'streamed'.*'stationary', 'flow', 'auto'"):
+        recipe_from_dict(minimal_recipe(superoffload={"weights": "streamed"}))
+
+
 def test_state_precision_travels_in_the_superoffload_section_and_needs_bf16():
     recipe = recipe_from_dict(minimal_recipe(superoffload={"state_precision": "compact", "device_dtype": "bf16"}))
     assert recipe.superoffload["state_precision"] == "compact" and recipe.model_dtype == "bfloat16"

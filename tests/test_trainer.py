@@ -90,6 +90,7 @@ def assert_same_training(stock: Trainer, offload: Trainer) -> None:
         expected = torch.tensor([record[key] for record in stock_logs], dtype=torch.float64)
         actual = torch.tensor([record[key] for record in offload_logs], dtype=torch.float64)
         torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=f"logged {key}")
+    offload.model.state_dict()  # the documented read (weight-flow: fetches the units)
     for (name, expected), (_, actual) in zip(stock.model.named_parameters(), offload.model.named_parameters()):
         torch.testing.assert_close(actual.detach(), expected.detach(), rtol=RTOL, atol=ATOL, msg=name)
 
@@ -113,6 +114,15 @@ def test_superoffload_trainer_matches_stock_adamw(tmp_path, max_grad_norm):
         assert counters.rollbacks >= 1 and counters.replays == counters.rollbacks
     else:  # the first bucket already proves clipping: the engine stops speculating at once
         assert counters.rollbacks == counters.speculative_steps
+
+
+def test_weight_flow_under_the_trainer_matches_stock_adamw(tmp_path):
+    """`weights: flow` through `superoffload_config`: the Trainer hands the optimizer its model."""
+    stock = train(make_args(tmp_path, "stock", superoffload=False, max_grad_norm=LATE))
+    offload = train(make_args(tmp_path, "offload", max_grad_norm=LATE,
+                              superoffload_config={**SPECULATE, "weights": "flow", "device_buckets": 0}))
+    assert "weights flow: 5 units" in unwrap_optimizer(offload.optimizer).describe()
+    assert_same_training(stock, offload)
 
 
 @pytest.mark.slow

@@ -131,6 +131,15 @@ class AcceleratorRuntime:
             self._keep_alive = [(e, t) for e, t in self._keep_alive if not e.query()]
             self._keep_alive.append((done, tensor))
 
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        tensor.untyped_storage().resize_(nbytes)  # the caching allocator, on the current stream
+
+    def max_memory_allocated(self) -> int:
+        return int(torch.accelerator.memory.max_memory_allocated(self.device))
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.accelerator.memory.reset_peak_memory_stats(self.device)
+
     def memory_info(self) -> tuple[int, int]:
         info = getattr(torch.accelerator, "get_memory_info", None)
         if info is not None:

@@ -59,6 +59,15 @@ class CpuRuntime:
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         pass
 
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        tensor.untyped_storage().resize_(nbytes)
+
+    def max_memory_allocated(self):
+        return None  # the device is this process's memory: the host ledger accounts for it
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
     def memory_info(self) -> tuple[int, int]:
         pages, page = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         return pages * page, os.sysconf("SC_PHYS_PAGES") * page

@@ -35,6 +35,11 @@ A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
     copy_(dst, src)                a non_blocking copy, queued on the current stream
     record_stream(tensor, stream)  tensor's memory is not reused until stream's queued work ran
     memory_info() -> (free, total) device memory in bytes
+    resize_storage(tensor, nbytes) tensor.untyped_storage().resize_(nbytes) on the current stream:
+                                   weight-flow's fetch (allocate) and release (0), as FSDP does
+    max_memory_allocated() -> int | None  peak device bytes allocated since the start or
+                                   reset_peak_memory_stats() (None: the CPU, not tracked)
+    reset_peak_memory_stats()
 
 Streams: `wait_event(event)`, `wait_stream(stream)`. Nothing in the seam blocks the host except
 `Event.synchronize()`: the engine never calls a device-wide synchronize.

@@ -41,6 +41,13 @@ SYNCS = (
     "thread_device",       # the worker thread issues its copies on the parameters' device
 )
 
+# Weight-flow's (engine/flow.py): its fetches and releases of the units' device weights.
+FLOW_SYNCS = (
+    "device_waits_fetch",   # a unit's forward / backward reads its weights only after their fetch
+    "fetch_waits_release",  # a fetch (reusing released memory) starts after the released weights' readers
+    "host_waits_fetch",     # the worker writes master/lowp only after the last fetch that reads them
+)
+
 # Gradient rounds in flight at once: two for double buffering (backward fills one slot while d2h
 # reads the other) and a third for a round held open across a backward (a tied or reused
 # parameter's bucket) or a copy slower than one bucket's backward. Configuration-free: more slots
@@ -58,9 +65,9 @@ class _RingSlot:
 
 class Transfer:
     def __init__(self, runtime, pin_memory: bool, omitted: Sequence[str] = (), grad_slots: int = GRAD_RING_SLOTS):
-        unknown = sorted(set(omitted) - set(SYNCS))
+        unknown = sorted(set(omitted) - set(SYNCS) - set(FLOW_SYNCS))
         if unknown:
-            raise ValueError(f"Unknown synchronisation(s) {unknown}; the seam has {list(SYNCS)}.")
+            raise ValueError(f"Unknown synchronisation(s) {unknown}; the seam has {list(SYNCS + FLOW_SYNCS)}.")
         self.runtime = runtime
         self.pin_memory = pin_memory and runtime.is_async
         self.omitted = frozenset(omitted)
@@ -214,9 +221,10 @@ class Transfer:
             with self.runtime.thread_device():
                 event.synchronize()
 
-    def wait_host_before_write(self, event) -> None:
-        """Worker: the last copy-back of a bucket (`event`) reads master/lowp: wait before writing."""
-        if event is not None and self._keeps("host_waits_h2d"):
+    def wait_host_before_write(self, event, sync: str = "host_waits_h2d") -> None:
+        """Worker: the last copy-back of a bucket (`event`; weight-flow: its last fetch, sync
+        "host_waits_fetch") reads master/lowp: wait before writing."""
+        if event is not None and self._keeps(sync):
             with self.runtime.thread_device():
                 event.synchronize()
 
@@ -225,12 +233,12 @@ class Transfer:
         if event is not None and self._keeps("device_waits_h2d"):
             self.runtime.current_stream().wait_event(event)
 
-    def measure_h2d_gbps(self, megabytes: int = 64, repeats: int = 3) -> float:
+    def measure_h2d_gbps(self, megabytes: float = 64, repeats: int = 3) -> float:
         """Host-to-device bandwidth from a page-locked buffer, in GB/s (a one-off measurement,
         between steps, on the h2d stream the copy-backs use). Timed by device events on an
         asynchronous device (the host clock would time the issue), by the host clock otherwise."""
         rt = self.runtime
-        src = rt.host_empty(megabytes * 2**20, torch.uint8, pinned=True)
+        src = rt.host_empty(int(megabytes * 2**20), torch.uint8, pinned=True)
         with rt.on_stream(self.h2d):
             dst = rt.device_empty(src.numel(), torch.uint8)  # allocated on h2d: used only there
             rt.copy_(dst, src)  # warm-up

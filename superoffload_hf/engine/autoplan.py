@@ -44,14 +44,17 @@ def measure_device_adam_rate(runtime, elements: int = PROBE_ELEMENTS) -> float:
 def measured_machine(transfer, host_elements: int, host_seconds: float, lowp_bytes: int,
                      h2d_gbps: Optional[float]) -> Machine:
     runtime = transfer.runtime
+    free, _ = runtime.memory_info()
+    # the probes' device buffers take at most a quarter of what is free (weight-flow exists for
+    # devices the weights do not fit)
+    probe_elements = max(1024, min(PROBE_ELEMENTS, int(free) // 64))
     if h2d_gbps is None:
-        h2d_gbps = transfer.measure_h2d_gbps(megabytes=4, repeats=2)
+        h2d_gbps = transfer.measure_h2d_gbps(megabytes=probe_elements * 4 / 2**20, repeats=2)
     link = Bandwidth.constant(max(h2d_gbps, 1e-3))
     host_rate = host_elements / host_seconds if host_seconds > 0 else 1e9
-    free, _ = runtime.memory_info()
     return Machine(name=runtime.name, h2d=link, d2h=link, host_adam_rate=host_rate,
                    host_adam_rate_busy=host_rate,  # the first step's host work ran after backward, alone
-                   device_adam_rate=measure_device_adam_rate(runtime), device_free_bytes=float(free),
+                   device_adam_rate=measure_device_adam_rate(runtime, probe_elements), device_free_bytes=float(free),
                    host_is_device=transfer.runtime.device.type == "cpu", lowp_bytes=lowp_bytes)
 
 

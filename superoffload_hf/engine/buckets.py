@@ -324,15 +324,17 @@ class BucketSet:
         rt.bufs.import_param(slot, precision.convert(values, target, self.codec) if converted else values)
         return converted
 
-    def refresh_device_params(self) -> None:
+    def refresh_device_params(self, skip=lambda p: False) -> None:
         """Copy every master weight to its device parameter (after loading state; the caller
-        has synchronized)."""
+        has synchronized), except those `skip(p)` names (weight-flow's: fetched at use)."""
         with torch.no_grad():
             for rt in self.runtimes:
                 if rt.params_alias_master:
                     continue  # the parameters are the masters
                 weights = rt.bufs.master_bf16 if rt.bufs.compact else rt.bufs.master  # compact: as it is
                 for p, slot in zip(rt.params, rt.bucket.slots):
+                    if skip(p):
+                        continue
                     p.detach().copy_(BucketBuffers.view(weights, slot).view(slot.shape))
 
 

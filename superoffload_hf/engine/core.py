@@ -35,6 +35,7 @@ from superoffload_hf.engine.buckets import BucketSet
 from superoffload_hf.engine.collect import Collector
 from superoffload_hf.engine.commit import Committer
 from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_ddp, sharding
+from superoffload_hf.engine.flow import WeightFlow, decide_weights, find_units, plan_flow
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
@@ -80,7 +81,7 @@ def auto_host_threads(cores: int, device_is_host: bool = False) -> int:
 
 class Engine:
     def __init__(self, param_groups: list[dict], adamw: bool, config: SuperOffloadConfig,
-                 counters: OffloadCounters, process_group=None):
+                 counters: OffloadCounters, process_group=None, model: Optional[torch.nn.Module] = None):
         self.config, self.adamw, self.counters = config, adamw, counters
         self.groups = param_groups  # the optimizer's live list: hyperparameters are read at use
         self.params = [p for g in param_groups for p in g["params"]]
@@ -92,10 +93,24 @@ class Engine:
                                     inline_host=self.runtime.host_is_device and collectives is None)
         self.dp: Optional[DataParallel] = None  # built below, from the parts it uses
         check_not_ddp(self.params)
+        if collectives is not None and config.weights != "stationary":
+            raise NotImplementedError(
+                f"`weights` is {config.weights!r} under data parallelism ({collectives.world} ranks): weight-flow "
+                "is implemented for one process so far. Use `weights: stationary` with data parallelism, or "
+                "train in one process.")
         if collectives is not None:
             broadcast_params(collectives, self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
+        self.layout.flow = config.weights == "flow"
         self.cast = self.layout.resolve_cast(self.transfer)
+        if collectives is None:  # (decided from the stationary layout's memory; flow needs the model)
+            stationary = self.layout.buffer_policy(self.cast, self.transfer.pin_memory,
+                                                   self.runtime.pinned_rounds_to_power_of_two,
+                                                   host_is_device=self.runtime.host_is_device)
+            flow = decide_weights(config.weights, self.layout.initial_plan(), stationary, self.runtime, model)
+            if flow == "flow" and not self.layout.flow:
+                self.layout.flow = True
+                self.cast = self.layout.resolve_cast(self.transfer)
         self.host_threads_note = "set"
         threads = config.host_threads
         placement = host_placement(self.config.host_cores, collectives, numa_node)
@@ -134,6 +149,12 @@ class Engine:
         self.buckets.install(initial)
         self._reserve_staging()
         self.layout.cast_params_in_place()
+        self.flow: Optional[WeightFlow] = None
+        if self.layout.flow:  # the host holds the units' weights now: released before the device counts them
+            self.flow = WeightFlow(plan_flow(model, self.params), self.params, self.buckets, self.runtime,
+                                   self.transfer, counters=counters, timeline=self.observer.timeline)
+            self.flow.release_all()
+            self.jobs.flows = self.flow.flows
         self.runtime.adopt(self.params)
         self.step_state = StepState(param_groups, self.buckets.param_steps, self.loss_scale)
         # max_grad_norm (the optimizer keeps it current), sync_source, fire_log (None once
@@ -147,6 +168,8 @@ class Engine:
             self.worker.submit(functools.partial(bind_current_thread, placement.cores), Pending())
         self.reads = ModuleReads(self.params)
         self.waiter = Waiter(self.buckets, self.worker, self.transfer, self.observer, None, self.reads)  # reopen set below
+        if self.flow is not None:
+            self.flow.waiter = self.waiter
         if collectives is not None:
             self.dp = DataParallel(collectives, params=self.params, buckets=self.buckets, transfer=self.transfer,
                                    runtime=self.runtime, worker=self.worker, jobs=self.jobs, waiter=self.waiter,
@@ -172,6 +195,8 @@ class Engine:
         self.closed = False
         self.unhooked.extend(register_param_hooks(self.params, self.collector, self.buckets.index_of, self.handles))
         register_forward_wait(self, self.reads, self.handles)
+        if self.flow is not None:  # after the engine's gradient hooks: a unit goes once its gradients have left
+            self.flow.register(dict(find_units(model)), self.handles)
         logger.info(self.summary())
 
     # the values the parts read at use (LiveInputs), set by the optimizer and by _learn
@@ -202,7 +227,8 @@ class Engine:
                 f"device-resident) of <= {self.plan.bucket_numel} elements, device {self.runtime.name} "
                 f"{self.config.device_dtype}, cast {self.cast}, speculation {self.config.speculation}, "
                 f"rollback {self._rollback_note()}, state {self.state_note()}, host Adam {self.adam.name}/{self.adam.isa} "
-                f"x{self.adam.threads} threads ({self.host_threads_note}){dp}")
+                f"x{self.adam.threads} threads ({self.host_threads_note}){dp}"
+                + (f", {self.flow.note()}" if self.flow is not None else ""))
 
     def _rollback_note(self) -> str:
         if not self.buckets.policy.compact:
@@ -238,6 +264,8 @@ class Engine:
                 p.requires_grad and p.grad is not None for p in self.unhooked):
             return EMPTY_STEP  # (data parallel: other ranks may have gradients; finish() tells)
         started = self.observer.step_begins()
+        if self.flow is not None:
+            self.flow.release_resident()  # units fetched since backward hold the weights before this step
         self.transfer.fence()  # this step's copy-backs wait for kernels queued before step()
         self.collector.adopt_unhooked_grads()
         if not self.collector.finish():  # data parallel: no rank had a gradient
@@ -368,7 +396,9 @@ class Engine:
         synchronized before it wrote the host buffers, and queued nothing since)."""
         if self.dp is not None:
             return self.dp.refresh_device_params()
-        self.buckets.refresh_device_params()
+        if self.flow is not None:
+            self.flow.release_resident()  # fetched again, from the loaded state, at their next use
+        self.buckets.refresh_device_params(skip=self.flow.flows if self.flow is not None else lambda p: False)
 
     # ---- waiting, discarding, closing -------------------------------------------------------
 
@@ -416,6 +446,9 @@ class Engine:
                 # the hooks are gone: no later forward waits for the copy-backs in flight, so
                 # order the compute stream after them here
                 self.synchronize()
+                if self.flow is not None and self.flow.restore() == "host":
+                    logger.warning("SuperOffload: the model's flowing weights do not fit on the device: after close() "
+                                   "they are host tensors (move the model where it fits before using it)")
                 self.observer.close()
         finally:
             self.worker.stop()

@@ -42,6 +42,7 @@ class HostJobs:
         # after validation (a speculative step or a mere rollback leaves the device weights as
         # they were), so every rank issues the same all-gathers in the same order.
         self.gather = None
+        self.flows = lambda p: False  # weight-flow (engine/flow.py): its parameters get no copy-back
 
     def _host(self, rt: BucketRuntime, what: str, start: float, **args) -> float:
         """Account host time since `start` (and show it on the timeline); returns now."""
@@ -92,6 +93,7 @@ class HostJobs:
 
     def step(self, rt: BucketRuntime, call: StepCall, snapshot: bool = False, speculative: bool = False) -> None:
         self.transfer.wait_host_before_write(rt.h2d_event)  # the last copy-back still reads master/lowp
+        self.transfer.wait_host_before_write(rt.fetch_event, "host_waits_fetch")  # so may a weight-flow fetch
         start = time.perf_counter()
         if snapshot:
             rt.bufs.take_snapshot(self._snapshot_copy)
@@ -103,6 +105,7 @@ class HostJobs:
     def rollback(self, rt: BucketRuntime, call: StepCall, redo: Optional[StepCall] = None) -> None:
         """Undo the speculative `call`; then take `redo` (e.g. clipped) if given."""
         self.transfer.wait_host_before_write(rt.h2d_event)
+        self.transfer.wait_host_before_write(rt.fetch_event, "host_waits_fetch")
         start = time.perf_counter()
         if self.snapshot:
             rt.bufs.restore_snapshot(self._snapshot_copy, self.adam.lowp_copy_)
@@ -136,6 +139,11 @@ class HostJobs:
         if rt.params_alias_master:
             return  # the parameters are views of master: the step updated them in place
         ks = stepper.run_slots(call)
+        kept = [k for k in ks if not self.flows(rt.params[k])]  # weight-flow's: fetched at their next use
+        if len(kept) < len(ks):
+            if not kept:
+                return
+            ks = kept
         src = rt.bufs.copy_back_source  # compact state: master_bf16, sent as it is
         start = time.perf_counter()
         rt.h2d_event = self.transfer.params_to_device(

@@ -116,6 +116,9 @@ class LayoutBuilder:
         self.bucket_numel = auto_bucket_numel(config.bucket_size_mb, sum(p.numel() for p in params),
                                               min_buckets=1 if inline_host else AUTO_MIN_BUCKETS)
         self.h2d_gbps: Optional[float] = None  # measured for cast "auto" (and reused by autoplan)
+        # weight-flow (engine/flow.py) decided: the host keeps the device's copy (cast "host" or
+        # fp32), no parameter aliases its master, no bucket is device-resident
+        self.flow = False
 
     def plan(self, device_buckets: int, ready_order=None, deferred=()) -> BucketPlan:
         return BucketPlan.build(self.shapes, self.group_indices, bucket_numel=self.bucket_numel,
@@ -148,7 +151,7 @@ class LayoutBuilder:
         n = self.config.device_buckets
         if n == "auto":
             n = 0
-            if choice is not None:
+            if choice is not None and not self.flow:
                 draft = self.plan(0, log.order, deferred)
                 affordable = device_buckets_within(draft, int(free_device_bytes * DEVICE_MEMORY_FRACTION))
                 n = max(0, min(choice.device_buckets, affordable, len(draft.buckets) // 2))
@@ -160,6 +163,13 @@ class LayoutBuilder:
     # ---- dtypes and buffers ---------------------------------------------------------------
 
     def resolve_cast(self, transfer) -> str:
+        if self.flow and self.dtype != torch.float32:
+            if self.config.cast == "device":
+                raise ValueError(
+                    f"`weights: flow` with `cast: device` and `device_dtype: {self.config.device_dtype}`: weight-flow "
+                    "streams the host's low-precision copy, which only cast \"host\" keeps. Set `cast: host` "
+                    "(or \"auto\"), or `weights: stationary`.")
+            return "host"  # the host Adam writes the low-precision copy the units stream from
         if self.config.cast != "auto":
             return self.config.cast
         if not transfer.is_async or self.device.type == "cpu":  # the simulated device: host memory
@@ -195,7 +205,7 @@ class LayoutBuilder:
                             state_precision=self.config.state_precision,
                             # a rank's master holds only its shard of each bucket: never aliased
                             params_alias_masters=(host_is_device and self.dtype == torch.float32
-                                                  and shard_world is None))
+                                                  and shard_world is None and not self.flow))
 
     def cast_params_in_place(self) -> None:
         for p in self.params:

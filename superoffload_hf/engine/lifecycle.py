@@ -77,6 +77,7 @@ class BucketRuntime:
         self.pending = Pending()  # worker jobs queued on this bucket
         self.norm_ready = threading.Event()
         self.h2d_event = None  # the last copy-back to the device (None: nothing in flight)
+        self.fetch_event = None  # weight-flow: the last fetch reading this bucket's host weights
         # What the worker's step reads as this step's gradient: bufs.grad, or the receive buffer
         # when one round in the link dtype is the whole step, or (grad_on_demand) autograd's
         # gradients as a SegmentedGrad. Written and read by worker jobs; valid until the next

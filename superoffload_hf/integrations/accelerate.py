@@ -136,7 +136,7 @@ class _PluginMethods:
         no_decay = tuple(no_decay)
         groups = decay_param_groups(model, lambda name: any(part in name for part in no_decay))
         config = self.to_config(accelerator.mixed_precision)
-        return SuperOffloadAdamW(groups, config=config, **optimizer_kwargs)
+        return SuperOffloadAdamW(groups, config=config, model=model, **optimizer_kwargs)
 
 
 def _plugin_fields() -> list[tuple[str, Any, Any]]:

@@ -131,6 +131,7 @@ class SuperOffloadHooks:
         optimizer = SuperOffloadAdamW(
             groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
             weight_decay=args.weight_decay, max_grad_norm=max_grad_norm(args), config=config,
+            model=model,  # weight-flow hooks its blocks (config `weights`)
         )
         logger.info("%s replaces the Trainer's optimizer: param groups (weight_decay, tensors) %s, "
                     "max_grad_norm %s, device dtype %s", type(optimizer).__name__,

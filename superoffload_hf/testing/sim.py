@@ -59,10 +59,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from superoffload_hf.testing.device_memory import SimDeviceMemory, device_budget_from_env
 from superoffload_hf.testing.host_memory import SimHostMemory, budget_from_env
 
 _POISON_BYTE = 0xA5
-_TOTAL_BYTES = 80 * 2**30  # the fake device's memory
 SIDE_STREAMS = 3  # the side-stream pool (CUDA: 32 per priority, round robin)
 # The virtual clock's costs (an H100-like device, orders of magnitude only):
 LINK_BYTES_PER_MS = 25e6     # a copy of either direction: 25 GB/s
@@ -421,6 +421,7 @@ def _uninstall_backward(runtime: "SimRuntime") -> None:
 
 class SimRuntime:
     is_async = True
+    counts_params_at_adopt = True  # device memory counts a parameter from adopt() on (device_memory.py)
     pinned_rounds_to_power_of_two = True  # as CUDA's host caching allocator (testing/host_memory.py)
     host_is_device = False  # CPU tensors, but device memory in the model it simulates
 
@@ -429,7 +430,8 @@ class SimRuntime:
     _shared_lock = threading.Lock()
 
     def __init__(self, main_thread: Optional[threading.Thread] = None, host_budget_bytes: Optional[int] = None,
-                 strict_pinned: bool = False, side_streams: int = SIDE_STREAMS, index: int = 0):
+                 strict_pinned: bool = False, side_streams: int = SIDE_STREAMS, index: int = 0,
+                 device_budget_bytes: Optional[int] = None):
         if side_streams < 1:
             raise ValueError(f"side_streams={side_streams}: the simulated device needs at least 1 side stream.")
         if not isinstance(index, int) or index < 0:
@@ -440,6 +442,7 @@ class SimRuntime:
         self.device = torch.device("cpu")
         self.errors: list[SimRaceError] = []
         self.host_memory = SimHostMemory(host_budget_bytes)  # pinned allocator, host budget
+        self.device_memory = SimDeviceMemory(device_budget_bytes)  # device budget, allocated, peak
         # a non_blocking copy whose host side is pageable is an error (set it after step 1)
         self.strict_pinned = strict_pinned
         self.host_registered = False  # host_register(): the pinning method the GPU would use
@@ -454,7 +457,8 @@ class SimRuntime:
         self._params: dict[int, _Param] = {}  # id(param) -> record (checked against the weakref)
         self._pinned: dict[int, _Pinned] = {}
         self._freed: list = []  # appended by finalizers only; handled at the next call (_settle)
-        self._live_bytes = 0
+        self._live_bytes = 0  # the runtime's allocations (device_empty)
+        self._param_bytes = 0  # adopted parameters' storages not among them (_count_params)
         self._hook = None
         self._param_writes: dict[int, str] = {}  # storage key -> label: pending copies into parameters
         self._pending_param_copies: dict[int, int] = {}  # storage key -> how many
@@ -467,7 +471,8 @@ class SimRuntime:
         """The process-wide simulated device (its main thread is the interpreter's)."""
         with cls._shared_lock:
             if cls._shared is None:
-                options = {"host_budget_bytes": budget_from_env(), **cls._shared_options}
+                options = {"host_budget_bytes": budget_from_env(), "device_budget_bytes": device_budget_from_env(),
+                           **cls._shared_options}
                 cls._shared = cls(main_thread=threading.main_thread(), **options)
             return cls._shared
 
@@ -538,15 +543,17 @@ class SimRuntime:
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self._check_thread_device("an allocation")  # (torch.empty(device="cuda") takes the current one)
-        t = torch.empty(numel, dtype=dtype)
         if not numel:
-            return t
-        _poison(t)  # reading memory nobody wrote fails visibly
+            return torch.empty(numel, dtype=dtype)
         with self._lock:
             self._settle()
+            self.device_memory.admit(numel * dtype.itemsize, f"a device buffer of {numel} {dtype}")
+            t = torch.empty(numel, dtype=dtype)
+            _poison(t)  # reading memory nobody wrote fails visibly
             record = _Allocation(t, self.current_stream())
             self._allocations[record.key] = record
             self._live_bytes += record.nbytes
+            self._count()
         weakref.finalize(t, self._freed.append, record)
         return t
 
@@ -557,6 +564,7 @@ class SimRuntime:
                 known = self._params.get(id(p))
                 if known is None or known.ref() is not p:
                     self._params[id(p)] = _Param(p, self.compute)
+            self._count_params(admit=True)
             if self._hook is None:
                 # After the forward, not before: forward pre-hooks (the engine's per-module wait)
                 # may still queue work the forward's kernels are ordered after.
@@ -665,7 +673,95 @@ class SimRuntime:
     def memory_info(self) -> tuple[int, int]:
         with self._lock:
             self._settle()
-            return _TOTAL_BYTES - self._live_bytes, _TOTAL_BYTES
+            self._count_params()
+            total = self.device_memory.total
+            return max(0, total - self.device_memory.allocated), total
+
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """`tensor.untyped_storage().resize_(nbytes)` on the device (weight-flow's fetch and
+        release, as FSDP allocates and frees a parameter): a grown storage is admitted by the
+        budget and poisoned (memory nobody wrote); a storage shrunk while a side-stream copy on
+        it is pending is an error unless that stream was recorded on it (then, as CUDA's caching
+        allocator defers the reuse, the copy runs first)."""
+        with self._lock:
+            self._settle()
+            self._check_thread_device("a storage resize")
+            storage = tensor.untyped_storage()
+            old, key = storage.nbytes(), _storage_key(tensor)
+            self._count_params()  # (what is allocated now, before admitting more)
+            if nbytes > old:
+                self.device_memory.admit(nbytes - old, f"growing {_describe(tensor, 'a device storage')} to {nbytes} bytes")
+            elif nbytes < old:
+                self._drain_before_free(tensor, key)
+            storage.resize_(nbytes)
+            allocation = self._allocations.pop(key, None)
+            if allocation is not None:  # rekeyed: the storage's memory moved
+                self._live_bytes += nbytes - allocation.nbytes
+                allocation.key, allocation.nbytes = _storage_key(tensor), nbytes
+                self._allocations[allocation.key] = allocation
+            if nbytes > old:
+                _poison(_storage_alias(tensor))  # (a fresh alias: the tensor's version is not bumped)
+            self._count_params()
+
+    def _drain_before_free(self, tensor: torch.Tensor, key: int) -> None:
+        for stream in self._streams[1:]:
+            touching = [op for op in stream.pending() if isinstance(op, _Copy) and key in (op.src_key, op.dst_key)]
+            if not touching:
+                continue
+            owner = self._owner(tensor)
+            if owner is None or (key, stream) not in owner.recorded:
+                self._fail(f"{self._label(tensor, owner)} released (storage resized to 0) while {stream.label} "
+                           f"still has a {touching[-1].label} on it and no record_stream(tensor, {stream.label}) "
+                           "was called: wait for the copy's event before releasing")
+            self._run_until(stream, touching[-1].position + 1)
+
+    # ---------------------------------------------------------------- device memory
+    def memory_allocated(self) -> int:
+        """Device bytes allocated now: the runtime's buffers and the adopted parameters' storages."""
+        with self._lock:
+            self._settle()
+            self._count_params()
+            return self.device_memory.allocated
+
+    def buffer_bytes(self) -> int:
+        """Device bytes of the runtime's own allocations (device_empty) only: what an engine holds,
+        without the adopted parameters, which belong to the model."""
+        with self._lock:
+            self._settle()
+            return self._live_bytes
+
+    def max_memory_allocated(self) -> int:
+        """The peak of memory_allocated() since the start or reset_peak_memory_stats()."""
+        with self._lock:
+            self._settle()
+            self._count_params()
+            return self.device_memory.peak
+
+    def reset_peak_memory_stats(self) -> None:
+        with self._lock:
+            self._settle()
+            self._count_params()
+            self.device_memory.reset_peak()
+
+    def _count_params(self, admit: bool = False) -> None:
+        """Recount the adopted parameters' storages (each once, at its current size; none that
+        is a runtime allocation). `admit`: raise torch.OutOfMemoryError if they do not fit."""
+        seen, total = set(self._allocations), 0
+        for param_buf in list(self._params.values()):
+            p = param_buf.ref()
+            if p is None:
+                continue
+            key = _storage_key(p)
+            if key and key not in seen:
+                seen.add(key)
+                total += p.untyped_storage().nbytes()
+        if admit and total > self._param_bytes:
+            self.device_memory.admit(total - self._param_bytes, "the adopted parameters' storage")
+        self._param_bytes = total
+        self._count()
+
+    def _count(self) -> None:
+        self.device_memory.set_allocated(self._live_bytes + self._param_bytes)
 
     # ------------------------------------------------------------ test helpers
     def synchronize_all(self) -> None:
@@ -897,6 +993,7 @@ class SimRuntime:
             if self._allocations.get(record.key) is record:
                 del self._allocations[record.key]
                 self._live_bytes -= record.nbytes
+                self._count()
             for stream in self._streams:
                 if stream is record.alloc_stream or (record.key, stream) in record.recorded:
                     continue

@@ -65,6 +65,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
         on_128 = dry_run_trade(plan, policy, config.speculation, not accelerator, memory_left=HOST_SIZES[0][0])
         lines.append(f"  on {HOST_SIZES[0][1]}: speculates {on_128.speculated_buckets} of {on_128.host_buckets} "
                      f"host buckets ({on_128.reason})")
+    lines.append(weights_line(model, params, config))
     lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
@@ -104,6 +105,28 @@ def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Op
         host_is_device = device_is_host
 
     return engine_trade(plan, policy, mode, _ThisHost(), check_memory=True)
+
+
+def weights_line(model, params, config) -> str:
+    """Which units flow (engine/flow.py plan_flow: the blocks, the embedding, the head) and the
+    device's weights with and without weight-flow (`weights` "auto" decides at construction,
+    against the device's free memory)."""
+    from superoffload_hf.engine.flow import plan_flow
+    from superoffload_hf.engine.layout import DTYPES
+
+    weights, element_bytes = config.weights, DTYPES[config.device_dtype].itemsize
+    plan = plan_flow(model, params, element_bytes=element_bytes)
+    stationary = sum(p.numel() for p in params) * element_bytes  # (on the CPU device: the masters themselves)
+    flowing = stationary - plan.nbytes + plan.peak_bytes  # units kept on the device stay
+    chosen = {"stationary": "stationary", "flow": "flow", "auto": "auto (flow if the stationary device memory does "
+              "not fit the free device memory at construction)"}[weights]
+    names = [u.name for u in plan.units]
+    shown = ", ".join(names if len(names) <= 6 else names[:3] + ["..."] + names[-3:])
+    line = (f"  weights {chosen}; device weights stationary {stationary / 1e9:.3f} GB, with flow <= "
+            f"{flowing / 1e9:.3f} GB ({len(plan.units)} units flow, prefetch depth {plan.depth} - {shown})")
+    if plan.stationary:
+        line += f"; on the device under flow too - {', '.join(plan.stationary)}"
+    return line
 
 
 def host_check_line(rows, device_is_host: bool) -> str:

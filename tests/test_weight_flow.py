@@ -1,0 +1,282 @@
+"""Weight-flow (engine/flow.py, config `weights`): units, the same numbers as stationary, training
+within a device budget a quarter of the weights, the refusal of stationary there, and the
+mutation tests of flow's synchronisations (device/transfer.py FLOW_SYNCS)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from superoffload_hf import SuperOffloadAdamW
+from superoffload_hf.config import ConfigError, SuperOffloadConfig
+from superoffload_hf.device import SIM_ENV_VAR
+from superoffload_hf.engine.flow import find_units, plan_flow
+from superoffload_hf.testing.sim import SimRaceError, SimRuntime, on_device
+
+from _models import (  # noqa: F401  (one_torch_thread is a fixture)
+    assert_close_fast, engine_config, micro_batches, one_torch_thread, read_params, tiny_batch, tiny_llama)
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(180)]
+
+LR = 1e-2
+
+
+# ---- units and config --------------------------------------------------------------------------
+
+
+def test_units_are_the_decoder_blocks_then_each_other_module_owning_parameters_tied_ones_merged():
+    model = tiny_llama(num_layers=3)
+    assert [name for name, _ in find_units(model)] == [
+        "model.layers.0", "model.layers.1", "model.layers.2", "model.embed_tokens", "model.norm", "lm_head"]
+    tied = tiny_llama(num_layers=2, tie_word_embeddings=True)
+    names = [name for name, _ in find_units(tied)]
+    assert names == ["model.layers.0", "model.layers.1", "model.embed_tokens+lm_head", "model.norm"]
+    params = list(tied.parameters())
+    plan = plan_flow(tied, params)
+    assert sorted(i for u in plan.units for i in u.params) == list(range(len(params)))  # each once
+    assert plan.nbytes == sum(p.numel() * 4 for p in params)
+    tied.model.norm.weight.requires_grad_(False)  # a frozen unit stays on the device
+    plan = plan_flow(tied, [p for p in tied.parameters() if p.requires_grad])
+    assert [u.name for u in plan.units] == names[:3] and plan.stationary[0].startswith("model.norm")
+
+
+def test_the_weights_field_takes_its_three_values_and_refuses_what_flow_does_not_do_yet():
+    assert SuperOffloadConfig().weights == "stationary"
+    assert SuperOffloadConfig(weights="auto").weights == "auto"
+    with pytest.raises(ConfigError, match=r"`weights` is 'moving'.*'stationary', 'flow', 'auto'"):
+        SuperOffloadConfig(weights="moving")
+    with pytest.raises(ConfigError, match=r"`weights` is 'flow' with `state_precision` 'compact'.*`state_precision: fp32`"):
+        SuperOffloadConfig(weights="flow", state_precision="compact", device_dtype="bf16")
+    with pytest.raises(ConfigError, match=r"`weights: flow` with `device_buckets: 1`.*`device_buckets: 0`"):
+        SuperOffloadConfig(weights="flow", device_buckets=1)
+    with pytest.raises(ConfigError, match=r"`device_dtype: fp16`"):
+        SuperOffloadConfig(weights="flow", device_dtype="fp16")
+
+
+def test_flow_without_the_model_is_refused_naming_the_argument():
+    model = tiny_llama(num_layers=1)
+    with pytest.raises(ValueError, match=r"Pass `model=model`"):
+        SuperOffloadAdamW(model.parameters(), config=engine_config(device_buckets=0, weights="flow"))
+
+
+# ---- the same numbers --------------------------------------------------------------------------
+
+
+def _train(weights: str, steps: int, dtype: str = "fp32", **model_kwargs) -> dict[str, torch.Tensor]:
+    model = tiny_llama(**model_kwargs)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
+                            config=engine_config(device_buckets=0, weights=weights, device_dtype=dtype,
+                                                 speculation="on"))
+    with opt:
+        for step in range(steps):
+            (batch,) = micro_batches(step)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {name: p.detach().clone() for name, p in read_params(model).items()}
+
+
+@pytest.mark.usefixtures("device_mode")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_flow_trains_to_the_bitwise_same_weights_as_stationary(dtype):
+    """Speculation and clipping on; bf16: the host's low-precision copy (cast host) flows."""
+    want = _train("stationary", 4, dtype, num_layers=2)
+    got = _train("flow", 4, dtype, num_layers=2)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{dtype}: {name} differs under weight-flow"
+
+
+# ---- a device budget of a quarter of the weights -----------------------------------------------
+
+BUDGET_LAYERS, BUDGET_VOCAB = 16, 64  # many small blocks: two of them are 1/8 of the weights
+
+
+@pytest.fixture
+def quarter_budget_sim(monkeypatch):
+    """The shared simulated device (a rank's device 1) with a memory of a quarter of the weights."""
+    weight_bytes = sum(p.numel() * 4 for p in tiny_llama(BUDGET_LAYERS, vocab_size=BUDGET_VOCAB).parameters())
+    SimRuntime.reset_shared(index=1, device_budget_bytes=weight_bytes // 4)
+    monkeypatch.setenv(SIM_ENV_VAR, "1")
+    with on_device(1):
+        yield SimRuntime.shared(), weight_bytes
+    errors = list(SimRuntime.shared().errors)
+    SimRuntime.reset_shared()
+    assert not errors, errors
+
+
+def _budget_config(weights: str) -> dict:
+    return engine_config(device_buckets=0, bucket_size_mb=0.01, weights=weights, speculation="on")
+
+
+@pytest.mark.parametrize("weights", ["flow", "auto"])
+def test_flow_trains_within_a_quarter_of_the_weights_and_matches_torch_adamw_every_step(weights, quarter_budget_sim):
+    sim, weight_bytes = quarter_budget_sim
+    model = tiny_llama(BUDGET_LAYERS, vocab_size=BUDGET_VOCAB)
+    ref = tiny_llama(BUDGET_LAYERS, vocab_size=BUDGET_VOCAB)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=1e-2, foreach=False)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, model=model, config=_budget_config(weights))
+    names = [name for name, _ in model.named_parameters()]
+    with opt:
+        assert "weights flow: 19 units" in opt.describe()  # ("auto" chose it: the weights do not fit)
+        for step in range(3):
+            batch = tiny_batch(vocab_size=BUDGET_VOCAB, seed=step)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref(**batch).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            state = opt.state_dict()["state"]  # the masters: reading the model would fetch every unit
+            for i, (name, p) in enumerate(zip(names, ref.parameters())):
+                assert_close_fast(state[i]["master_param"], p.detach(), 1e-5, 1e-6,
+                                  lambda m, name=name: f"step {step}: {name}: {m}")
+        peak = opt.device_memory_peak()
+        assert peak <= weight_bytes // 4 and opt._engine.flow.fetches >= 3 * 2 * 19, (peak, weight_bytes)
+        assert peak >= 2 * sum(p.numel() * 4 for p in model.model.layers[0].parameters())  # a block and the next
+        masters = [state[i]["master_param"].clone() for i in range(len(names))]
+    for p, master in zip(model.parameters(), masters):  # closed: too big for the device, left on the host
+        assert torch.equal(p.detach(), master)
+
+
+def test_stationary_that_does_not_fit_is_refused_before_training_naming_weights_flow(quarter_budget_sim):
+    sim, weight_bytes = quarter_budget_sim
+    model = tiny_llama(BUDGET_LAYERS, vocab_size=BUDGET_VOCAB)
+    with pytest.raises(torch.OutOfMemoryError, match=r"`weights: stationary` keeps \d+ bytes.*Set `weights: flow`"):
+        SuperOffloadAdamW(model.parameters(), lr=LR, model=model, config=_budget_config("stationary"))
+    assert sim.max_memory_allocated() == 0  # refused before anything reached the device
+
+
+# ---- mutation tests of flow's synchronisations ------------------------------------------------
+
+
+def _run_flow(omitted=()) -> dict[str, torch.Tensor]:
+    model = tiny_llama(num_layers=2)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
+                            config=engine_config(device_buckets=0, weights="flow", speculation="on"))
+    opt._engine.transfer.omitted = frozenset(omitted)
+    with opt:
+        for step in range(3):
+            (batch,) = micro_batches(step)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {name: p.detach().clone() for name, p in read_params(model).items()}
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    SimRuntime.reset_shared(index=1)
+    monkeypatch.setenv(SIM_ENV_VAR, "1")
+    with on_device(1):
+        yield SimRuntime.shared()
+    SimRuntime.reset_shared()
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("sync", ["device_waits_fetch", "fetch_waits_release"])
+def test_removing_a_flow_synchronisation_is_caught_by_the_simulator(sync, sim):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(SIM_ENV_VAR)
+        expected = _run_flow()
+    try:
+        got = _run_flow(omitted={sync})
+    except (SimRaceError, RuntimeError) as error:
+        assert isinstance(error, SimRaceError) or isinstance(error.__cause__, SimRaceError) or sim.errors, error
+        return
+    assert sim.errors or any(not torch.equal(got[n], expected[n]) for n in expected), (
+        f"without {sync!r} the flow run still matched the CPU run bitwise and the simulator raised nothing")
+
+
+@pytest.mark.sim
+def test_the_full_flow_seam_on_the_simulated_device_matches_the_cpu_device_bitwise(sim):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(SIM_ENV_VAR)
+        expected = _run_flow()
+    got = _run_flow()
+    assert not sim.errors, sim.errors
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("device_mode")
+def test_a_flow_run_saved_and_resumed_continues_bitwise_like_the_uninterrupted_one(tmp_path):
+    """load_state_dict writes the host masters; the units still on the device are released and
+    fetched again from the loaded state at their next use."""
+    def make():
+        model = tiny_llama(num_layers=2)
+        opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
+                                config=engine_config(device_buckets=0, weights="flow", speculation="on"))
+        return model, opt
+
+    def steps(model, opt, which):
+        for step in which:
+            (batch,) = micro_batches(step)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = make()
+    with opt:
+        steps(model, opt, range(4))
+        want = {name: p.detach().clone() for name, p in read_params(model).items()}
+    model, opt = make()
+    with opt:
+        steps(model, opt, range(2))
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    model, opt = make()
+    with opt:
+        model(**micro_batches(99)[0])  # a forward first: units fetched and released with the fresh weights
+        saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        steps(model, opt, range(2, 4))
+        got = read_params(model)
+        for name, value in want.items():
+            assert torch.equal(got[name].detach(), value), f"{name} differs after the resume"
+
+
+@pytest.mark.usefixtures("device_mode")
+def test_after_close_the_parameters_hold_the_trained_weights_again():
+    model = tiny_llama(num_layers=2)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model,
+                            config=engine_config(device_buckets=0, weights="flow"))
+    for step in range(2):
+        (batch,) = micro_batches(step)
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    masters = [v["master_param"].clone() for _, v in sorted(opt.state_dict()["state"].items())]
+    assert any(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # released between uses
+    opt.close()
+    for p, master in zip(model.parameters(), masters):
+        assert torch.equal(p.detach(), master)
+
+
+@pytest.mark.sim
+def test_auto_keeps_the_weights_stationary_where_they_fit(sim):
+    model = tiny_llama(num_layers=1)
+    with SuperOffloadAdamW(model.parameters(), model=model,
+                           config=engine_config(device_buckets=0, weights="auto")) as opt:
+        assert opt._engine.flow is None and "weights flow" not in opt.describe()
+
+
+def test_the_timeline_shows_each_units_fetches_on_the_host_to_device_track(tmp_path):
+    import json
+
+    model = tiny_llama(num_layers=2)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, config=engine_config(
+        device_buckets=0, weights="flow", timeline_dir=str(tmp_path / "tl"), timeline_steps=[2]))
+    with opt:
+        for step in range(3):  # (step 3 ends step 2's window: close()'s fetches are not in it)
+            (batch,) = micro_batches(step)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    events = json.loads((tmp_path / "tl" / "trace.json").read_text())["traceEvents"]
+    tid_of = {e["args"]["name"]: e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    fetches = [e["name"] for e in events if e.get("ph") == "X" and e["tid"] == tid_of["host-to-device"]]
+    # step 2: each unit fetched for its forward and again for its backward
+    for unit in ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"):
+        assert fetches.count(f"fetch {unit}") == 2, (unit, " | ".join(fetches))
