@@ -25,7 +25,8 @@ runs whose settings match and runs only the rest (a crash loses only the run in 
 Final loss of a run: the mean of its logged losses (every `--log-every` steps, each the mean
 over those steps) over the last `--final-window` steps. Target, per model, for each compact
 contender: the mean over seeds of its final loss lies within the fp32 seeds' range [min, max]
-or within 1% of their mean. A miss exits 2 (unless --no-check); a non-finite loss exits 1.
+or within 1% of their mean. A miss exits 2 (unless --no-check); a non-finite loss exits 1;
+`--report-only` with runs missing reports the seeds complete so far and exits 3 (no verdict).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch.set_num_threads before training (default: torch's own; 1 on a loaded machine)")
     p.add_argument("--no-check", action="store_true", help="report only; never exit 2 on a missed target")
     p.add_argument("--report-only", action="store_true",
-                   help="train nothing: report, plot and check the runs the JSON holds (exit 3 while some are missing)")
+                   help="train nothing: report, plot and check the runs the JSON holds (while some are missing: the seeds complete for every contender, then exit 3)")
     args = p.parse_args(argv)
     args.models = _subset(p, "--models", args.models, MODELS)
     args.contenders = _subset(p, "--contenders", args.contenders, CONTENDERS)
@@ -342,18 +343,23 @@ def main(argv=None) -> int:
                 save_results(path, results)
                 print(f"compact_quality: {key} final {final_loss(run, args.final_window):.4f} "
                       f"in {run['wall_s']:.0f} s", flush=True)
-    missing = [run_key(m, c, s) for m in args.models for s in args.seeds for c in args.contenders
-               if results["runs"].get(run_key(m, c, s), {}).get("overrides") != run_overrides(m, c, s, args)]
+    def have(m, c, s):
+        return results["runs"].get(run_key(m, c, s), {}).get("overrides") == run_overrides(m, c, s, args)
+
+    missing = [run_key(m, c, s) for m in args.models for s in args.seeds for c in args.contenders if not have(m, c, s)]
+    seeds = [s for s in args.seeds if all(have(m, c, s) for m in args.models for c in args.contenders)]
     if missing:
         print(f"compact_quality: {len(missing)} runs missing (or run with other settings): {', '.join(missing)}; "
-              "run without --report-only to train them", file=sys.stderr)
-        return 3
-    summary = summarize(results, args.models, args.contenders, args.seeds, args.final_window)
-    results["summary"] = summary
+              "run without --report-only to train them" + (f"; reporting seeds {seeds} only" if seeds else ""),
+              file=sys.stderr)
+        if not seeds:
+            return 3
+    summary = summarize(results, args.models, args.contenders, seeds, args.final_window)
+    results["summary"] = dict(summary, seeds=seeds, complete=not missing)
     save_results(path, results)
-    print(report(results, summary, args.seeds))
+    print(report(results, summary, seeds))
     if args.png:
-        plot(results, args.models, args.contenders, args.seeds, Path(args.png))
+        plot(results, args.models, args.contenders, seeds, Path(args.png))
         print(f"wrote {args.png} and {path}")
     missed = [f"{m}/{c}" for m, rows in summary.items() for c, row in rows.items()
               if c in CHECKED and not row["verdict"]["ok"]]
@@ -361,6 +367,8 @@ def main(argv=None) -> int:
         print(f"compact_quality: target missed by {', '.join(missed)}: the mean final loss lies outside the fp32 "
               f"seeds' range and more than {100 * REL_TOL:.0f}% from their mean", file=sys.stderr)
         return 2
+    if missing:
+        return 3  # incomplete: no verdict on the seeds asked for
     return 0
 
 

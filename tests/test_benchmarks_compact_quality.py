@@ -162,10 +162,17 @@ def test_a_missed_target_exits_2_and_no_check_only_reports(tmp_path, capsys):
     assert _main(path, "--no-check") == 0
 
 
-def test_report_only_with_missing_runs_exits_3(tmp_path):
+def test_report_only_with_missing_runs_reports_the_complete_seeds_and_exits_3(tmp_path):
     path = tmp_path / "r.json"
-    _cache(path, {"fp32": FP32, "compact": FP32})  # no bf16-rtn runs
+    _cache(path, {"fp32": FP32, "compact": FP32})  # no bf16-rtn runs: no seed is complete
     assert _main(path) == 3
+    assert "summary" not in json.loads(path.read_text())
+    _cache(path, {"fp32": FP32, "compact": [2.00, 2.10, 9.0], "bf16-rtn": [2.5, 2.6]})  # seed 2 has no bf16-rtn
+    assert _main(path) == 3  # compact passes on seeds 0, 1 (seed 2 would miss), but the run is incomplete
+    summary = json.loads(path.read_text())["summary"]
+    assert summary["seeds"] == [0, 1] and summary["complete"] is False
+    assert summary["tiny-recipe"]["compact"]["finals"] == pytest.approx([2.00, 2.10])
+    assert summary["tiny-recipe"]["compact"]["verdict"]["ok"] is True
 
 
 def test_final_loss_is_the_mean_of_the_logged_losses_in_the_last_window():
