@@ -271,8 +271,8 @@ def summarize(results: dict, models, contenders, seeds, window: int) -> dict:
 def report(results: dict, summary: dict, seeds) -> str:
     lines = [f"final loss (mean of the logged losses of the last {results['final_window']} of "
              f"{results['steps']} steps), seeds {', '.join(map(str, seeds))}", "",
-             "| model | params | contender | final loss per seed | mean | vs fp32 mean | target |",
-             "| --- | ---: | --- | --- | ---: | ---: | --- |"]
+             "| model | params | contender | final loss per seed | mean | vs fp32 mean | minus fp32, same seed | target |",
+             "| --- | ---: | --- | --- | ---: | ---: | --- | --- |"]
     for model, rows in summary.items():
         params = results["runs"][run_key(model, "fp32", seeds[0])]["params"]
         for c, row in rows.items():
@@ -281,7 +281,8 @@ def report(results: dict, summary: dict, seeds) -> str:
             target = "" if c not in CHECKED else ("ok" if v["ok"] else "MISSED") + (
                 " (in fp32 range)" if v["in_spread"] else "")
             lines.append(f"| {model} | {params / 1e6:.2f}M | {c} | {' / '.join(f'{f:.4f}' for f in row['finals'])} "
-                         f"| {row['mean']:.4f} | {rel} | {target} |")
+                         f"| {row['mean']:.4f} | {rel} | {' / '.join(f'{d:+.4f}' for d in row['paired_vs_fp32'])} "
+                         f"| {target} |")
     return "\n".join(lines)
 
 
