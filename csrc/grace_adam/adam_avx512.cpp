@@ -209,8 +209,7 @@ GRACE_ADAM_INLINE __mmask16 tile_scales(__m512i amax, float levels, uint32_t flo
   const __mmask16 finite = _mm512_cmplt_epu32_mask(amax, _mm512_set1_epi32(0x7f800000));
   const __mmask16 normal = finite & _mm512_test_epi32_mask(amax, amax);
   const __m512i xb = _mm512_castps_si512(_mm512_div_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(levels)));
-  __m512i up = _mm512_srli_epi32(xb, 16);  // bf16_round_up_bits
-  up = _mm512_mask_add_epi32(up, _mm512_test_epi32_mask(xb, _mm512_set1_epi32(0xffff)), up, _mm512_set1_epi32(1));
+  __m512i up = _mm512_srli_epi32(_mm512_add_epi32(xb, _mm512_set1_epi32(0xffff)), 16);  // bf16_round_up_bits
   up = _mm512_max_epu32(_mm512_slli_epi32(up, 16), _mm512_set1_epi32(static_cast<int>(floor_bits)));
   _mm512_store_ps(rcp_out, _mm512_maskz_div_ps(normal, _mm512_set1_ps(1.0f), _mm512_castsi512_ps(up)));
   const __m512i bits = _mm512_mask_mov_epi32(_mm512_maskz_srli_epi32(normal, up, 16), static_cast<__mmask16>(~finite),
