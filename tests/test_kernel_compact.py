@@ -13,8 +13,10 @@ from superoffload_hf.host.segmented import SegmentedGrad
 
 PRECISIONS = ["compact", "compact32"]
 # groups of 32 and their neighbours; the 8/16-lane vector widths; a gather block (2048) and the
-# pool's grain (16384) of the binding, and sizes past them
-SIZES = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 95, 97, 2047, 2048, 2049, 3001]
+# pool's grain (16384) of the binding, and sizes past them; the tiles of the vector paths (8 groups
+# = 256 elements on AVX2, 16 groups = 512 on AVX-512) and their neighbours
+SIZES = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 95, 97, 255, 256, 257, 511, 512, 513, 1025, 2047, 2048,
+         2049, 3001]
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -173,6 +175,22 @@ def test_non_finite_gradients_turn_their_element_and_groups_non_finite_as_the_re
     assert not math.isfinite(p[3].item()) and not math.isfinite(p[40].item())
     assert bool(torch.isfinite(p[torch.arange(n) % 37 != 3]).all())
     assert bool(m[:64].isnan().all()) and bool(v[:64].isnan().all()) and bool(torch.isfinite(m[64:]).all())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_group_inside_a_tile_leaves_the_tiles_other_groups_finite(cpp_adam, isa, bad):
+    # the vector paths compute a tile's scales together (lane j = group j): groups 6 and 21 (in the
+    # first and second tile on every path) go non-finite, their neighbours keep finite scales
+    n = 1060
+    state, g = compact_state(n, 9, "compact")
+    g[200], g[700] = bad, bad
+    got = clone(state)
+    cpp_adam(isa).compact_step_(*got, g, **HYPERS[1])
+    assert_same_bytes(got, reference_step(state, g, HYPERS[1]), f"isa={isa} grad {bad}")
+    bad_groups = torch.zeros(compact.scale_numel(n), dtype=torch.bool)
+    bad_groups[[6, 21]] = True
+    for scale in (got[3], got[5]):
+        assert bool(scale.float()[bad_groups].isnan().all()) and bool(torch.isfinite(scale.float()[~bad_groups]).all())
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -2,6 +2,8 @@
 // rollback_one lane by lane, the tail with those same inline functions.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "grace_adam.h"
 
 #pragma GCC target("avx2,fma,f16c")
@@ -168,12 +170,46 @@ double sum_squares_block(const void* g, int64_t n) {
   return sum_squares_tail(g, GD, n_lanes, n, s1);
 }
 
-// ---- the compact step: one group of kCompactGroup = 4 vectors at a time ---------------------
+// ---- the compact step: tiles of up to kTileGroups groups -------------------------------------
+// As adam_avx512.cpp: pass 1 updates every element of the tile (new m and s into an L1 buffer,
+// each group's |x| maxima as a vector), then the scales of the tile's 8 groups are one vector
+// (lane j = group j), then pass 2 quantises.
+
+constexpr int kTileGroups = 8;
+constexpr int64_t kTile = kTileGroups * kCompactGroup;
+constexpr int kGroupVecs = kCompactGroup / kWidth;
+
+// lane j of the result = the largest of the 8 lanes of v[j] (signed; the inputs are >= 0).
+GRACE_ADAM_INLINE __m256i lanes_max_8x8(const __m256i* v) {
+  __m256i w[4], x[2];
+  for (int i = 0; i < 4; ++i)  // group 2i in lanes 0-3, 2i+1 in lanes 4-7
+    w[i] = _mm256_max_epi32(_mm256_permute2x128_si256(v[2 * i], v[2 * i + 1], 0x20),
+                            _mm256_permute2x128_si256(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // half h: groups 4i + h (lanes 0-1) and 4i + 2 + h (lanes 2-3)
+    x[i] = _mm256_max_epi32(_mm256_unpacklo_epi64(w[2 * i], w[2 * i + 1]), _mm256_unpackhi_epi64(w[2 * i], w[2 * i + 1]));
+  const __m256 x0 = _mm256_castsi256_ps(x[0]), x1 = _mm256_castsi256_ps(x[1]);
+  const __m256i z = _mm256_max_epi32(_mm256_castps_si256(_mm256_shuffle_ps(x0, x1, _MM_SHUFFLE(2, 0, 2, 0))),
+                                     _mm256_castps_si256(_mm256_shuffle_ps(x0, x1, _MM_SHUFFLE(3, 1, 3, 1))));
+  return _mm256_permutevar8x32_epi32(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // lane 4h + t holds group 2t + h
+}
+
+// group_scale (grace_adam.h) of 8 groups at once: the bf16 scales into scale_out[0..8), the
+// reciprocals (0 for an all-zero or a non-finite group) into rcp_out; returns the finite groups' bits.
+GRACE_ADAM_INLINE int tile_scales(__m256i amax, float levels, uint32_t floor_bits, uint16_t* scale_out, float* rcp_out) {
+  const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), amax);
+  const __m256i normal = _mm256_andnot_si256(_mm256_cmpeq_epi32(amax, _mm256_setzero_si256()), finite);
+  const __m256i xb = _mm256_castps_si256(_mm256_div_ps(_mm256_castsi256_ps(amax), _mm256_set1_ps(levels)));
+  __m256i up = _mm256_srli_epi32(_mm256_add_epi32(xb, _mm256_set1_epi32(0xffff)), 16);  // bf16_round_up_bits
+  up = _mm256_max_epi32(_mm256_slli_epi32(up, 16), _mm256_set1_epi32(static_cast<int>(floor_bits)));
+  const __m256 rcp = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_castsi256_ps(up));
+  _mm256_store_ps(rcp_out, _mm256_and_ps(rcp, _mm256_castsi256_ps(normal)));
+  const __m256i bits = _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc0), _mm256_and_si256(_mm256_srli_epi32(up, 16), normal), finite);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scale_out), narrow_u32_to_u16(bits));
+  return _mm256_movemask_ps(_mm256_castsi256_ps(finite));
+}
 
 // f32_to_bf16_rne_vec before narrowing: the bf16 bits in the low half of each 32-bit lane.
-GRACE_ADAM_INLINE __m256i f32_to_bf16_bits_vec(__m256 p) {
-  const __m256i bits = _mm256_castps_si256(p);
-  const __m256i abs_bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+GRACE_ADAM_INLINE __m256i f32_to_bf16_bits_vec(__m256i bits, __m256i abs_bits) {
   const __m256i is_nan = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f800000));
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
@@ -194,30 +230,23 @@ GRACE_ADAM_INLINE __m256 master_decode_vec(const uint16_t* hi, const void* err, 
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(hb, 16), delta));
 }
 
-// master_encode_one lane by lane: stores hi and err (saturating packs are the clamp).
+// master_encode_one lane by lane: stores hi and err (saturating packs are the clamp). hi is finite
+// iff |bits| < 0x7f7f8000; for B = 7, rne(delta / 256) is the nearest-even conversion (MXCSR's
+// default, as every cvtps here) of float(delta) * 2^-8, both exact (|delta| <= 2^15).
 template <int B>
 GRACE_ADAM_INLINE void master_encode_vec(__m256 w, uint16_t* hi, void* err, int64_t i) {
-  constexpr int s = master_err_shift(B);
-  const __m256i hb = f32_to_bf16_bits_vec(w);
-  const __m256i delta = _mm256_sub_epi32(_mm256_castps_si256(w), _mm256_slli_epi32(hb, 16));  // [-32768, 32768]
+  const __m256i bits = _mm256_castps_si256(w);
+  const __m256i abs_bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i not_finite = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7f7f7fff));
+  const __m256i hb = f32_to_bf16_bits_vec(bits, abs_bits);
+  const __m256i delta = _mm256_sub_epi32(bits, _mm256_slli_epi32(hb, 16));  // [-32768, 32768]
   __m256i q = delta;
-  if constexpr (s != 0) {  // master_err_round: floor((delta + 2^(s-1) - 1 + parity) / 2^s)
-    const __m256i parity = _mm256_and_si256(_mm256_srli_epi32(delta, s), _mm256_set1_epi32(1));
-    q = _mm256_srai_epi32(_mm256_add_epi32(delta, _mm256_add_epi32(parity, _mm256_set1_epi32((1 << (s - 1)) - 1))), s);
-  }
-  const __m256i not_finite = _mm256_cmpeq_epi32(_mm256_and_si256(hb, _mm256_set1_epi32(0x7f80)), _mm256_set1_epi32(0x7f80));
+  if constexpr (B == 7) q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(delta), _mm256_set1_ps(1.0f / 256.0f)));
   const __m256i e = _mm256_andnot_si256(not_finite, q);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), narrow_u32_to_u16(hb));
   const __m128i e16 = _mm_packs_epi32(_mm256_castsi256_si128(e), _mm256_extracti128_si256(e, 1));
   if constexpr (B == 7) _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<int8_t*>(err) + i), _mm_packs_epi16(e16, e16));
   else _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int16_t*>(err) + i), e16);
-}
-
-GRACE_ADAM_INLINE int32_t hmax_epi32(__m256i x) {
-  x = _mm256_max_epi32(x, _mm256_permute2x128_si256(x, x, 1));
-  x = _mm256_max_epi32(x, _mm256_shuffle_epi32(x, 0x4e));
-  x = _mm256_max_epi32(x, _mm256_shuffle_epi32(x, 0xb1));
-  return _mm256_cvtsi256_si32(x);
 }
 
 // Four vectors of 32-bit integers (each in the range of the target) packed to 32 bytes, in order.
@@ -233,14 +262,16 @@ GRACE_ADAM_INLINE __m256i pack_32_bytes(const __m256i q[4]) {
   }
 }
 
+// Pass 1 on one group: the update and the master, the new m and s into m_out / s_out, their |x|
+// maxima per lane.
 template <int B, GradDtype GD, bool L2>
-GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
-  constexpr int kVecs = kCompactGroup / kWidth;
-  const __m256 m_scale = _mm256_set1_ps(bf16_to_f32(b.ms[0])), s_scale = _mm256_set1_ps(bf16_to_f32(b.vs[0]));
+GRACE_ADAM_INLINE void update_group(const CompactBuffers& b, const void* g, const Vcoeffs& k, float m_scale_f,
+                                    float s_scale_f, float* m_out, float* s_out, __m256i& m_amax, __m256i& s_amax) {
+  const __m256 m_scale = _mm256_set1_ps(m_scale_f), s_scale = _mm256_set1_ps(s_scale_f);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  __m256 m_new[kVecs], s_new[kVecs];
-  __m256i m_amax = _mm256_setzero_si256(), s_amax = _mm256_setzero_si256();
-  for (int u = 0; u < kVecs; ++u) {
+  m_amax = _mm256_setzero_si256();
+  s_amax = _mm256_setzero_si256();
+  for (int u = 0; u < kGroupVecs; ++u) {
     const int64_t i = u * kWidth;
     __m256 pv = master_decode_vec<B>(b.hi, b.err, i);
     const __m256 mq = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.mq + i))));
@@ -254,83 +285,74 @@ GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g
     const __m256 denom = _mm256_fmadd_ps(sv, k.inv_sqrt_bc2, k.eps);
     pv = _mm256_fmadd_ps(k.neg_step_size, _mm256_div_ps(mv, denom), _mm256_mul_ps(pv, k.decay));
     master_encode_vec<B>(pv, b.hi, b.err, i);
-    m_new[u] = mv;
-    s_new[u] = sv;
+    _mm256_store_ps(m_out + i, mv);
+    _mm256_store_ps(s_out + i, sv);
     m_amax = _mm256_max_epi32(m_amax, _mm256_and_si256(_mm256_castps_si256(mv), abs_mask));
     s_amax = _mm256_max_epi32(s_amax, _mm256_and_si256(_mm256_castps_si256(sv), abs_mask));
   }
-  const GroupScale ms = exp_avg_scale(static_cast<uint32_t>(hmax_epi32(m_amax)));
-  const GroupScale ss = exp_avg_sq_scale(static_cast<uint32_t>(hmax_epi32(s_amax)));
-  b.ms[0] = ms.bits;
-  b.vs[0] = ss.bits;
-  const __m256 m_rcp = _mm256_set1_ps(ms.rcp), s_rcp = _mm256_set1_ps(ss.rcp);
+}
+
+// Pass 2 on one group: q from the new m and s (quantise_exp_avg, quantise_sqrt_v); a non-finite
+// group stores zeros (its scale is NaN; cvtps of NaN would give INT_MIN).
+GRACE_ADAM_INLINE void quantise_group(const CompactBuffers& b, const float* m_in, const float* s_in, float m_rcp_f,
+                                      float s_rcp_f, bool m_finite, bool s_finite) {
+  const __m256 m_rcp = _mm256_set1_ps(m_rcp_f), s_rcp = _mm256_set1_ps(s_rcp_f);
   const __m256i one = _mm256_set1_epi32(1);
-  __m256i mq[kVecs], vq[kVecs];
-  for (int u = 0; u < kVecs; ++u) {
-    mq[u] = _mm256_cvtps_epi32(_mm256_mul_ps(m_new[u], m_rcp));
-    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(s_new[u], s_rcp));
-    const __m256i positive = _mm256_cmpgt_epi32(_mm256_castps_si256(s_new[u]), _mm256_setzero_si256());
+  __m256i mq[kGroupVecs], vq[kGroupVecs];
+  for (int u = 0; u < kGroupVecs; ++u) {
+    const int64_t i = u * kWidth;
+    mq[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(m_in + i), m_rcp));
+    const __m256 sv = _mm256_load_ps(s_in + i);
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(sv, s_rcp));
+    const __m256i positive = _mm256_cmpgt_epi32(_mm256_castps_si256(sv), _mm256_setzero_si256());
     vq[u] = _mm256_max_epi32(q, _mm256_and_si256(positive, one));  // a nonzero v never encodes to 0
   }
-  // A non-finite group stores zeros (its scale is NaN); cvtps of NaN would give INT_MIN.
-  const __m256i m_bytes = ms.finite ? pack_32_bytes<false>(mq) : _mm256_setzero_si256();
-  const __m256i v_bytes = ss.finite ? pack_32_bytes<true>(vq) : _mm256_setzero_si256();
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.mq), m_bytes);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.vq), v_bytes);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.mq), m_finite ? pack_32_bytes<false>(mq) : _mm256_setzero_si256());
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.vq), s_finite ? pack_32_bytes<true>(vq) : _mm256_setzero_si256());
+}
+
+// ng (1..kTileGroups) full groups at element 0 of b.
+template <int B, GradDtype GD, bool L2>
+GRACE_ADAM_INLINE void compact_tile(const CompactBuffers& b, ErrDtype ed, const void* g, int ng, const Vcoeffs& k) {
+  alignas(32) float m_new[kTile], s_new[kTile];
+  alignas(32) float m_rcp[kTileGroups], s_rcp[kTileGroups];
+  uint16_t m_bits[kTileGroups], s_bits[kTileGroups];
+  __m256i m_amax[kTileGroups], s_amax[kTileGroups];
+  for (int j = 0; j < ng; ++j) {
+    const int64_t at = j * kCompactGroup;
+    update_group<B, GD, L2>(compact_offset(b, ed, at), grad_offset(g, GD, at), k, bf16_to_f32(b.ms[j]),
+                            bf16_to_f32(b.vs[j]), m_new + at, s_new + at, m_amax[j], s_amax[j]);
+  }
+  for (int j = ng; j < kTileGroups; ++j) m_amax[j] = s_amax[j] = _mm256_setzero_si256();
+  const int m_finite = tile_scales(lanes_max_8x8(m_amax), kExpAvgLevels, kExpAvgScaleFloorBits, m_bits, m_rcp);
+  const int s_finite = tile_scales(lanes_max_8x8(s_amax), kExpAvgSqLevels, kExpAvgSqScaleFloorBits, s_bits, s_rcp);
+  if (ng == kTileGroups) {
+    std::memcpy(b.ms, m_bits, sizeof(m_bits));
+    std::memcpy(b.vs, s_bits, sizeof(s_bits));
+  } else {
+    std::memcpy(b.ms, m_bits, ng * sizeof(uint16_t));
+    std::memcpy(b.vs, s_bits, ng * sizeof(uint16_t));
+  }
+  for (int j = 0; j < ng; ++j) {
+    const int64_t at = j * kCompactGroup;
+    quantise_group(compact_offset(b, ed, at), m_new + at, s_new + at, m_rcp[j], s_rcp[j], (m_finite >> j) & 1,
+                   (s_finite >> j) & 1);
+  }
 }
 
 template <int B, GradDtype GD, bool L2>
 void compact_step_loop(const CompactBuffers& b, ErrDtype ed, const void* g, int64_t n, const Coeffs& c) {
   const Vcoeffs k(c);
   const int64_t full = n - n % kCompactGroup;
-  for (int64_t at = 0; at < full; at += kCompactGroup) {
-    compact_full_group<B, GD, L2>(compact_offset(b, ed, at), grad_offset(g, GD, at), k);
+  for (int64_t at = 0; at < full; at += kTile) {
+    const int ng = static_cast<int>(std::min<int64_t>(kTile, full - at) / kCompactGroup);
+    compact_tile<B, GD, L2>(compact_offset(b, ed, at), ed, grad_offset(g, GD, at), ng, k);
   }
   if (full < n) compact_step_scalar(compact_offset(b, ed, full), ed, grad_offset(g, GD, full), GD, n - full, c);
 }
 
 }  // namespace
 
-void compact_step_avx2(const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n,
-                       const Coeffs& c) {
-  with_variant(gd, LowpDtype::NONE, c.l2 != 0.0f, [&](auto gt, auto, auto l2) {
-    constexpr GradDtype GD = decltype(gt)::value;
-    constexpr bool L2 = decltype(l2)::value;
-    if (ed == ErrDtype::I8) compact_step_loop<7, GD, L2>(b, ed, g, n, c);
-    else compact_step_loop<15, GD, L2>(b, ed, g, n, c);
-  });
-}
-
-void step_avx2(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
-               LowpDtype ld, int64_t n, const Coeffs& c) {
-  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
-    step_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
-  });
-}
-
-void rollback_avx2(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
-                   LowpDtype ld, int64_t n, const Coeffs& c) {
-  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
-    rollback_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
-  });
-}
-
-double sum_squares_avx2(const void* g, GradDtype gd, int64_t n) {
-  double sum = 0.0;
-  for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {
-    const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;
-    const void* block = grad_offset(g, gd, begin);
-    sum += with_grad_dtype(gd, [&](auto gt) { return sum_squares_block<decltype(gt)::value>(block, len); });
-  }
-  return sum;
-}
-
-void grad_copy_avx2(float* dst, const void* src, GradDtype sd, int64_t n) {
-  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, false>(dst, src, n); });
-}
-
-void grad_accumulate_avx2(float* dst, const void* src, GradDtype sd, int64_t n) {
-  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, true>(dst, src, n); });
-}
+GRACE_ADAM_DEFINE_ISA(avx2, sum_squares_block)
 
 }  // namespace grace_adam

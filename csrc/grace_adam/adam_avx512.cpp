@@ -2,6 +2,8 @@
 // rollback_one lane by lane, the tail with those same inline functions.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "grace_adam.h"
 
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
@@ -171,13 +173,58 @@ double sum_squares_block(const void* g, int64_t n) {
   return sum_squares_tail(g, GD, n_lanes, n, s1);
 }
 
-// ---- the compact step: one group of kCompactGroup = 2 vectors at a time ---------------------
-// The operations of compact_group (adam_scalar.cpp) lane by lane; see adam_avx2.cpp.
+// ---- the compact step: tiles of up to kTileGroups groups -------------------------------------
+// The operations of compact_group (adam_scalar.cpp) lane by lane. A tile runs in two passes: the
+// update of every element (its new m and s kept in an L1 buffer, each group's |x| maxima as a
+// vector), then the scales of all its groups at once, lane j = group j (so the division, the bf16
+// round-up and the reciprocal are vector operations, not per-group scalar work), then the q.
 
-GRACE_ADAM_INLINE __m512i f32_to_bf16_bits_vec(__m512 p) {  // f32_to_bf16_rne_vec before narrowing
-  const __m512i bits = _mm512_castps_si512(p);
-  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(abs_bits, _mm512_set1_epi32(0x7f800000));
+constexpr int kTileGroups = 16;
+constexpr int64_t kTile = kTileGroups * kCompactGroup;
+constexpr int kGroupVecs = kCompactGroup / kWidth;
+
+GRACE_ADAM_INLINE __m512i max_pair(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
+
+// lane j of the result = the largest of the 16 lanes of v[j] (unsigned), in 45 shuffles and maxima
+// plus one permutation: each level halves the lanes that belong to one group.
+GRACE_ADAM_INLINE __m512i lanes_max_16x16(const __m512i* v) {
+  __m512i w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit chunks: group 2i in chunks 0-1, 2i+1 in chunks 2-3
+    w[i] = max_pair(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xee));
+  for (int i = 0; i < 4; ++i)  // chunk c: group 4i + c, 4 lanes
+    x[i] = max_pair(_mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_i32x4(w[2 * i], w[2 * i + 1], 0xdd));
+  for (int i = 0; i < 2; ++i)  // chunk c: groups 8i + c (lanes 0-1) and 8i + 4 + c (lanes 2-3)
+    y[i] = max_pair(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
+  const __m512 y0 = _mm512_castsi512_ps(y[0]), y1 = _mm512_castsi512_ps(y[1]);
+  const __m512i z = max_pair(_mm512_castps_si512(_mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(2, 0, 2, 0))),
+                             _mm512_castps_si512(_mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(3, 1, 3, 1))));
+  // lane 4c + t holds group c + 4t
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+// group_scale (grace_adam.h) of 16 groups at once: stores the bf16 scales of the first ng, writes
+// the reciprocals (0 for an all-zero or a non-finite group); returns the mask of finite groups.
+GRACE_ADAM_INLINE __mmask16 tile_scales(__m512i amax, float levels, uint32_t floor_bits, __mmask16 live,
+                                        uint16_t* scale_out, float* rcp_out) {
+  const __mmask16 finite = _mm512_cmplt_epu32_mask(amax, _mm512_set1_epi32(0x7f800000));
+  const __mmask16 normal = finite & _mm512_test_epi32_mask(amax, amax);
+  const __m512i xb = _mm512_castps_si512(_mm512_div_ps(_mm512_castsi512_ps(amax), _mm512_set1_ps(levels)));
+  __m512i up = _mm512_srli_epi32(_mm512_add_epi32(xb, _mm512_set1_epi32(0xffff)), 16);  // bf16_round_up_bits
+  up = _mm512_max_epu32(_mm512_slli_epi32(up, 16), _mm512_set1_epi32(static_cast<int>(floor_bits)));
+  _mm512_store_ps(rcp_out, _mm512_maskz_div_ps(normal, _mm512_set1_ps(1.0f), _mm512_castsi512_ps(up)));
+  const __m512i bits = _mm512_mask_mov_epi32(_mm512_maskz_srli_epi32(normal, up, 16), static_cast<__mmask16>(~finite),
+                                             _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(scale_out, live, _mm512_cvtepi32_epi16(bits));
+  return finite;
+}
+
+// The first ng bf16 scales as fp32.
+GRACE_ADAM_INLINE void widen_scales(const uint16_t* scales, __mmask16 live, float* out) {
+  _mm512_store_ps(out, widen_bf16(_mm256_maskz_loadu_epi16(live, scales)));
+}
+
+GRACE_ADAM_INLINE __m512i f32_to_bf16_bits_vec(__m512i bits, __m512i abs_bits) {  // f32_to_bf16_rne_vec before narrowing
+  const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(abs_bits, _mm512_set1_epi32(0x7f800000));
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
@@ -196,32 +243,38 @@ GRACE_ADAM_INLINE __m512 master_decode_vec(const uint16_t* hi, const void* err, 
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(hb, 16), delta));
 }
 
+// master_encode_one lane by lane. hi is finite iff |bits| < 0x7f7f8000 (from there on it rounds to
+// inf, or is inf or NaN). For B = 7, rne(delta / 256) is the hardware's nearest-even conversion of
+// float(delta) * 2^-8 (both exact: |delta| <= 2^15).
 template <int B>
 GRACE_ADAM_INLINE void master_encode_vec(__m512 w, uint16_t* hi, void* err, int64_t i) {
-  constexpr int s = master_err_shift(B);
-  const __m512i hb = f32_to_bf16_bits_vec(w);
-  const __m512i delta = _mm512_sub_epi32(_mm512_castps_si512(w), _mm512_slli_epi32(hb, 16));  // [-32768, 32768]
-  __m512i q = delta;
-  if constexpr (s != 0) {  // master_err_round
-    const __m512i parity = _mm512_and_si512(_mm512_srli_epi32(delta, s), _mm512_set1_epi32(1));
-    q = _mm512_srai_epi32(_mm512_add_epi32(delta, _mm512_add_epi32(parity, _mm512_set1_epi32((1 << (s - 1)) - 1))), s);
-  }
-  const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(hb, _mm512_set1_epi32(0x7f80)), _mm512_set1_epi32(0x7f80));
-  const __m512i e = _mm512_maskz_mov_epi32(finite, q);
+  const __m512i bits = _mm512_castps_si512(w);
+  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 finite = _mm512_cmplt_epu32_mask(abs_bits, _mm512_set1_epi32(0x7f7f8000));
+  const __m512i hb = f32_to_bf16_bits_vec(bits, abs_bits);
+  const __m512i delta = _mm512_sub_epi32(bits, _mm512_slli_epi32(hb, 16));  // [-32768, 32768]
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi32_epi16(hb));
   // saturating narrowing: the clamp to [-2^B, 2^B - 1]
-  if constexpr (B == 7) _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int8_t*>(err) + i), _mm512_cvtsepi32_epi8(e));
-  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<int16_t*>(err) + i), _mm512_cvtsepi32_epi16(e));
+  if constexpr (B == 7) {
+    const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(delta), _mm512_set1_ps(1.0f / 256.0f));
+    const __m512i e = _mm512_maskz_cvt_roundps_epi32(finite, scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<int8_t*>(err) + i), _mm512_cvtsepi32_epi8(e));
+  } else {
+    const __m512i e = _mm512_maskz_mov_epi32(finite, delta);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<int16_t*>(err) + i), _mm512_cvtsepi32_epi16(e));
+  }
 }
 
+// Pass 1 on one group (at element 0 of b, its gradient at g): the update and the master, the new
+// m and s into m_out / s_out, and their |x| maxima per lane.
 template <int B, GradDtype GD, bool L2>
-GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
-  constexpr int kVecs = kCompactGroup / kWidth;
-  const __m512 m_scale = _mm512_set1_ps(bf16_to_f32(b.ms[0])), s_scale = _mm512_set1_ps(bf16_to_f32(b.vs[0]));
+GRACE_ADAM_INLINE void update_group(const CompactBuffers& b, const void* g, const Vcoeffs& k, float m_scale_f,
+                                    float s_scale_f, float* m_out, float* s_out, __m512i& m_amax, __m512i& s_amax) {
+  const __m512 m_scale = _mm512_set1_ps(m_scale_f), s_scale = _mm512_set1_ps(s_scale_f);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-  __m512 m_new[kVecs], s_new[kVecs];
-  __m512i m_amax = _mm512_setzero_si512(), s_amax = _mm512_setzero_si512();
-  for (int u = 0; u < kVecs; ++u) {
+  m_amax = _mm512_setzero_si512();
+  s_amax = _mm512_setzero_si512();
+  for (int u = 0; u < kGroupVecs; ++u) {
     const int64_t i = u * kWidth;
     __m512 pv = master_decode_vec<B>(b.hi, b.err, i);
     const __m512 mq = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.mq + i))));
@@ -235,27 +288,53 @@ GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g
     const __m512 denom = _mm512_fmadd_ps(sv, k.inv_sqrt_bc2, k.eps);
     pv = _mm512_fmadd_ps(k.neg_step_size, _mm512_div_ps(mv, denom), _mm512_mul_ps(pv, k.decay));
     master_encode_vec<B>(pv, b.hi, b.err, i);
-    m_new[u] = mv;
-    s_new[u] = sv;
-    m_amax = _mm512_max_epi32(m_amax, _mm512_and_si512(_mm512_castps_si512(mv), abs_mask));
-    s_amax = _mm512_max_epi32(s_amax, _mm512_and_si512(_mm512_castps_si512(sv), abs_mask));
+    _mm512_store_ps(m_out + i, mv);
+    _mm512_store_ps(s_out + i, sv);
+    m_amax = _mm512_max_epu32(m_amax, _mm512_and_si512(_mm512_castps_si512(mv), abs_mask));
+    s_amax = _mm512_max_epu32(s_amax, _mm512_and_si512(_mm512_castps_si512(sv), abs_mask));
   }
-  const GroupScale ms = exp_avg_scale(static_cast<uint32_t>(_mm512_reduce_max_epi32(m_amax)));
-  const GroupScale ss = exp_avg_sq_scale(static_cast<uint32_t>(_mm512_reduce_max_epi32(s_amax)));
-  b.ms[0] = ms.bits;
-  b.vs[0] = ss.bits;
-  const __m512 m_rcp = _mm512_set1_ps(ms.rcp), s_rcp = _mm512_set1_ps(ss.rcp);
-  for (int u = 0; u < kVecs; ++u) {
+}
+
+// Pass 3 on one group: q from the new m and s and the group's reciprocals (quantise_exp_avg,
+// quantise_sqrt_v); a non-finite group stores zeros (cvt of NaN would give INT_MIN).
+GRACE_ADAM_INLINE void quantise_group(const CompactBuffers& b, const float* m_in, const float* s_in, float m_rcp_f,
+                                      float s_rcp_f, bool m_finite, bool s_finite) {
+  const __m512 m_rcp = _mm512_set1_ps(m_rcp_f), s_rcp = _mm512_set1_ps(s_rcp_f);
+  const __mmask16 km = m_finite ? 0xffff : 0, ks = s_finite ? 0xffff : 0;
+  for (int u = 0; u < kGroupVecs; ++u) {
     const int64_t i = u * kWidth;
-    __m512i mq = _mm512_cvt_roundps_epi32(_mm512_mul_ps(m_new[u], m_rcp), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512i vq = _mm512_cvt_roundps_epi32(_mm512_mul_ps(s_new[u], s_rcp), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __mmask16 positive = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(s_new[u]), _mm512_setzero_si512());
+    const __m512i mq = _mm512_maskz_cvt_roundps_epi32(km, _mm512_mul_ps(_mm512_load_ps(m_in + i), m_rcp),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 sv = _mm512_load_ps(s_in + i);
+    __m512i vq = _mm512_maskz_cvt_roundps_epi32(ks, _mm512_mul_ps(sv, s_rcp), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 positive = ks & _mm512_cmpgt_epi32_mask(_mm512_castps_si512(sv), _mm512_setzero_si512());
     vq = _mm512_mask_max_epi32(vq, positive, vq, _mm512_set1_epi32(1));  // a nonzero v never encodes to 0
-    // A non-finite group stores zeros (its scale is NaN); cvt of NaN would give INT_MIN.
-    if (!ms.finite) mq = _mm512_setzero_si512();
-    if (!ss.finite) vq = _mm512_setzero_si512();
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b.mq + i), _mm512_cvtsepi32_epi8(mq));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b.vq + i), _mm512_cvtusepi32_epi8(vq));
+  }
+}
+
+// ng (1..kTileGroups) full groups at element 0 of b.
+template <int B, GradDtype GD, bool L2>
+GRACE_ADAM_INLINE void compact_tile(const CompactBuffers& b, ErrDtype ed, const void* g, int ng, const Vcoeffs& k) {
+  alignas(64) float m_new[kTile], s_new[kTile];
+  alignas(64) float m_scale[kTileGroups], s_scale[kTileGroups], m_rcp[kTileGroups], s_rcp[kTileGroups];
+  __m512i m_amax[kTileGroups], s_amax[kTileGroups];
+  const __mmask16 live = static_cast<__mmask16>((1u << ng) - 1u);
+  widen_scales(b.ms, live, m_scale);
+  widen_scales(b.vs, live, s_scale);
+  for (int j = 0; j < ng; ++j) {
+    const int64_t at = j * kCompactGroup;
+    update_group<B, GD, L2>(compact_offset(b, ed, at), grad_offset(g, GD, at), k, m_scale[j], s_scale[j], m_new + at,
+                            s_new + at, m_amax[j], s_amax[j]);
+  }
+  for (int j = ng; j < kTileGroups; ++j) m_amax[j] = s_amax[j] = _mm512_setzero_si512();
+  const __mmask16 m_finite = tile_scales(lanes_max_16x16(m_amax), kExpAvgLevels, kExpAvgScaleFloorBits, live, b.ms, m_rcp);
+  const __mmask16 s_finite = tile_scales(lanes_max_16x16(s_amax), kExpAvgSqLevels, kExpAvgSqScaleFloorBits, live, b.vs, s_rcp);
+  for (int j = 0; j < ng; ++j) {
+    const int64_t at = j * kCompactGroup;
+    quantise_group(compact_offset(b, ed, at), m_new + at, s_new + at, m_rcp[j], s_rcp[j], (m_finite >> j) & 1,
+                   (s_finite >> j) & 1);
   }
 }
 
@@ -263,54 +342,15 @@ template <int B, GradDtype GD, bool L2>
 void compact_step_loop(const CompactBuffers& b, ErrDtype ed, const void* g, int64_t n, const Coeffs& c) {
   const Vcoeffs k(c);
   const int64_t full = n - n % kCompactGroup;
-  for (int64_t at = 0; at < full; at += kCompactGroup) {
-    compact_full_group<B, GD, L2>(compact_offset(b, ed, at), grad_offset(g, GD, at), k);
+  for (int64_t at = 0; at < full; at += kTile) {
+    const int ng = static_cast<int>(std::min<int64_t>(kTile, full - at) / kCompactGroup);
+    compact_tile<B, GD, L2>(compact_offset(b, ed, at), ed, grad_offset(g, GD, at), ng, k);
   }
   if (full < n) compact_step_scalar(compact_offset(b, ed, full), ed, grad_offset(g, GD, full), GD, n - full, c);
 }
 
 }  // namespace
 
-void compact_step_avx512(const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n,
-                         const Coeffs& c) {
-  with_variant(gd, LowpDtype::NONE, c.l2 != 0.0f, [&](auto gt, auto, auto l2) {
-    constexpr GradDtype GD = decltype(gt)::value;
-    constexpr bool L2 = decltype(l2)::value;
-    if (ed == ErrDtype::I8) compact_step_loop<7, GD, L2>(b, ed, g, n, c);
-    else compact_step_loop<15, GD, L2>(b, ed, g, n, c);
-  });
-}
-
-void step_avx512(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
-                 LowpDtype ld, int64_t n, const Coeffs& c) {
-  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
-    step_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
-  });
-}
-
-void rollback_avx512(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
-                     LowpDtype ld, int64_t n, const Coeffs& c) {
-  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
-    rollback_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
-  });
-}
-
-double sum_squares_avx512(const void* g, GradDtype gd, int64_t n) {
-  double sum = 0.0;
-  for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {
-    const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;
-    const void* block = grad_offset(g, gd, begin);
-    sum += with_grad_dtype(gd, [&](auto gt) { return sum_squares_block<decltype(gt)::value>(block, len); });
-  }
-  return sum;
-}
-
-void grad_copy_avx512(float* dst, const void* src, GradDtype sd, int64_t n) {
-  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, false>(dst, src, n); });
-}
-
-void grad_accumulate_avx512(float* dst, const void* src, GradDtype sd, int64_t n) {
-  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, true>(dst, src, n); });
-}
+GRACE_ADAM_DEFINE_ISA(avx512, sum_squares_block)
 
 }  // namespace grace_adam

@@ -335,47 +335,7 @@ void compact_step_loop(const CompactBuffers& b, ErrDtype ed, const void* g, int6
 
 }  // namespace
 
-void compact_step_sve(const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n,
-                      const Coeffs& c) {
-  with_variant(gd, LowpDtype::NONE, c.l2 != 0.0f, [&](auto gt, auto, auto l2) {
-    constexpr GradDtype GD = decltype(gt)::value;
-    constexpr bool L2 = decltype(l2)::value;
-    if (ed == ErrDtype::I8) compact_step_loop<7, GD, L2>(b, ed, g, n, c);
-    else compact_step_loop<15, GD, L2>(b, ed, g, n, c);
-  });
-}
-
-void step_sve(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
-              LowpDtype ld, int64_t n, const Coeffs& c) {
-  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
-    step_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
-  });
-}
-
-void rollback_sve(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp,
-                  LowpDtype ld, int64_t n, const Coeffs& c) {
-  with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {
-    rollback_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c);
-  });
-}
-
-double sum_squares_sve(const void* g, GradDtype gd, int64_t n) {
-  double sum = 0.0;
-  for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {
-    const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;
-    const void* block = grad_offset(g, gd, begin);
-    sum += with_grad_dtype(gd, [&](auto gt) { return sum_squares_block_vla<decltype(gt)::value>(block, len); });
-  }
-  return sum;
-}
-
-void grad_copy_sve(float* dst, const void* src, GradDtype sd, int64_t n) {
-  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, false>(dst, src, n); });
-}
-
-void grad_accumulate_sve(float* dst, const void* src, GradDtype sd, int64_t n) {
-  with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, true>(dst, src, n); });
-}
+GRACE_ADAM_DEFINE_ISA(sve, sum_squares_block_vla)
 
 }  // namespace grace_adam
 

@@ -413,4 +413,48 @@ inline void with_variant(GradDtype gd, LowpDtype ld, bool has_l2, F&& f) {
   with_grad_dtype(gd, [&](auto gt) { with_lowp_and_l2(gt, ld, has_l2, f); });
 }
 
+// ---- the entry points of a vector ISA file ---------------------------------------------------
+// adam_<suffix>.cpp defines, in its anonymous namespace, step_loop<GD, LD, L2>, rollback_loop<GD, LD, L2>,
+// SUM_BLOCK<GD>(g, len) (one block of kSumSquaresBlock elements), grad_loop<SD, ACCUMULATE> and
+// compact_step_loop<B, GD, L2>(b, ed, g, n, c); this expands (inside namespace grace_adam, after
+// that anonymous namespace) to the six functions GRACE_ADAM_DECLARE_ISA declares, which map the
+// run-time dtypes, l2 and error width to those templates.
+#define GRACE_ADAM_DEFINE_ISA(suffix, SUM_BLOCK)                                                        \
+  void compact_step_##suffix(const CompactBuffers& b, ErrDtype ed, const void* g, GradDtype gd, int64_t n, \
+                             const Coeffs& c) {                                                         \
+    with_variant(gd, LowpDtype::NONE, c.l2 != 0.0f, [&](auto gt, auto, auto l2) {                       \
+      constexpr GradDtype GD = decltype(gt)::value;                                                     \
+      constexpr bool L2 = decltype(l2)::value;                                                          \
+      if (ed == ErrDtype::I8) compact_step_loop<7, GD, L2>(b, ed, g, n, c);                             \
+      else compact_step_loop<15, GD, L2>(b, ed, g, n, c);                                               \
+    });                                                                                                 \
+  }                                                                                                     \
+  void step_##suffix(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp, LowpDtype ld, \
+                     int64_t n, const Coeffs& c) {                                                      \
+    with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {                                 \
+      step_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c); \
+    });                                                                                                 \
+  }                                                                                                     \
+  void rollback_##suffix(float* p, float* m, float* v, const void* g, GradDtype gd, void* lowp, LowpDtype ld, \
+                         int64_t n, const Coeffs& c) {                                                  \
+    with_variant(gd, ld, c.l2 != 0.0f, [&](auto gt, auto lt, auto l2) {                                 \
+      rollback_loop<decltype(gt)::value, decltype(lt)::value, decltype(l2)::value>(p, m, v, g, lowp, n, c); \
+    });                                                                                                 \
+  }                                                                                                     \
+  double sum_squares_##suffix(const void* g, GradDtype gd, int64_t n) {                                 \
+    double sum = 0.0;                                                                                   \
+    for (int64_t begin = 0; begin < n; begin += kSumSquaresBlock) {                                     \
+      const int64_t len = n - begin < kSumSquaresBlock ? n - begin : kSumSquaresBlock;                  \
+      const void* block = grad_offset(g, gd, begin);                                                    \
+      sum += with_grad_dtype(gd, [&](auto gt) { return SUM_BLOCK<decltype(gt)::value>(block, len); });  \
+    }                                                                                                   \
+    return sum;                                                                                         \
+  }                                                                                                     \
+  void grad_copy_##suffix(float* dst, const void* src, GradDtype sd, int64_t n) {                       \
+    with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, false>(dst, src, n); });          \
+  }                                                                                                     \
+  void grad_accumulate_##suffix(float* dst, const void* src, GradDtype sd, int64_t n) {                 \
+    with_grad_dtype(sd, [&](auto st) { grad_loop<decltype(st)::value, true>(dst, src, n); });           \
+  }
+
 }  // namespace grace_adam
