@@ -41,15 +41,18 @@ def _cpu_overhead():
 
 
 def _spinners() -> int:
-    """Processes of ours running the benchmark's spin loop now."""
+    """Children of this process running the benchmark's spin loop now (other sessions' spin
+    loops on the same machine are not counted)."""
     cpu_overhead = _cpu_overhead()
     count = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        count += cpu_overhead.SPIN_LOOP.encode() in cmdline and int(pid) != os.getpid()
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])
+        count += cpu_overhead.SPIN_LOOP.encode() in cmdline and parent == os.getpid()
     return count
 
 
