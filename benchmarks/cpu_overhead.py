@@ -14,6 +14,16 @@ median over steps of the ratio ours / torch of the two back-to-back measurements
 Target: <= 1.05x on every model; a miss exits 2 (unless --no-check). Both contenders' losses must
 agree over the first 35 steps (same math; later the two roundings drift apart as training
 amplifies them): a disagreement exits 1.
+
+    python benchmarks/cpu_overhead.py --recipe            # the main job on an idle and a busy machine
+    python benchmarks/cpu_overhead.py --recipe --load 4 --rounds 3
+
+`--recipe` measures what a user runs instead: `superoffload train recipes/tiny_llama_cpu.yaml`,
+ours and stock (`--superoffload false`) as separate processes, alternating (who goes first
+alternates too), first on the machine as it is ("idle"), then beside `--load` busy processes of
+its own (Python spin loops, one core each, the laptop / CI runner / shared box case). Reported:
+tokens/s of each run, the load average after it, and per phase the median of the paired ratios
+ours / stock. Targets: >= 0.9x loaded, >= 1 / 1.05x idle; a miss exits 2 (unless --no-check).
 """
 
 from __future__ import annotations
@@ -21,9 +31,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,6 +53,9 @@ MODELS = {
 }
 LR, WEIGHT_DECAY, MAX_GRAD_NORM = 3e-3, 0.01, 1.0
 LOSS_CHECK_STEPS = 35  # steps (warm-up included) whose losses must agree within --loss-rtol
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_llama_cpu.yaml"
+RECIPE_TARGETS = {"idle": 1 / TARGET_RATIO, "loaded": 0.9}  # ours / stock tokens/s, at least
+SPIN_LOOP = "while True: pass"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,6 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loss-rtol", type=float, default=1e-3)
     p.add_argument("--json", default=None)
     p.add_argument("--no-check", action="store_true", help="report only; never exit 2 on a missed target")
+    p.add_argument("--recipe", action="store_true", help="time `superoffload train` of the tiny recipe, ours vs stock, "
+                   "idle and beside --load busy processes (see the module docstring)")
+    p.add_argument("--load", type=int, default=2, help="--recipe: busy processes started for the loaded phase")
+    p.add_argument("--rounds", type=int, default=2, help="--recipe: ours + stock pairs per phase")
+    p.add_argument("--recipe-steps", type=int, default=40, help="--recipe: training.max_steps of each run")
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.models if m not in MODELS]
@@ -127,8 +150,111 @@ def measure(name: str, spec: dict, args) -> dict:
                 describe=describe)
 
 
+def recipe_tokens_per_second(stdout: str) -> float:
+    """The `tokens/s` line of `superoffload train`'s summary."""
+    match = re.search(r"^\s*tokens/s\s+([\d,.]+)\s*$", stdout, re.M)
+    if match is None:
+        raise RuntimeError(f"no `tokens/s` line in the output of superoffload train; its tail:\n{stdout[-2000:]}")
+    return float(match.group(1).replace(",", ""))
+
+
+def run_recipe(ours: bool, steps: int, out_dir: str) -> float:
+    """One `superoffload train` of the tiny recipe in a fresh process; returns its tokens/s."""
+    command = [sys.executable, "-m", "superoffload_hf.cli", "train", str(RECIPE), "--superoffload", str(ours).lower(),
+               "--training.max_steps", str(steps), "--training.save_steps", str(10 * steps),
+               "--training.output_dir", out_dir, "--overwrite_output_dir"]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return recipe_tokens_per_second(proc.stdout)
+
+
+class BusyLoad:
+    """`count` processes that each keep one core busy, for as long as the `with` block runs."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.procs: list = []
+
+    def __enter__(self):
+        self.procs = [subprocess.Popen([sys.executable, "-c", SPIN_LOOP]) for _ in range(self.count)]
+        return self
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        return False
+
+
+def measure_recipe(args, run=run_recipe) -> list:
+    """Both phases, `args.rounds` alternating pairs each; one row per run."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cpu_overhead_") as tmp:
+        for phase, load in (("idle", 0), ("loaded", args.load)):
+            with BusyLoad(load):
+                for r in range(args.rounds):
+                    order = (True, False) if r % 2 == 0 else (False, True)
+                    for ours in order:
+                        tps = run(ours, args.recipe_steps, os.path.join(tmp, f"{phase}-{r}-{ours}"))
+                        rows.append(dict(phase=phase, load=load, round=r, contender="ours" if ours else "stock",
+                                         tokens_per_s=tps, loadavg_1m=os.getloadavg()[0]))
+    return rows
+
+
+def recipe_ratios(rows: list) -> dict:
+    """Per phase, the median over rounds of ours / stock tokens/s of the same round."""
+    ratios = {}
+    for phase in RECIPE_TARGETS:
+        pairs = {}
+        for row in rows:
+            if row["phase"] == phase:
+                pairs.setdefault(row["round"], {})[row["contender"]] = row["tokens_per_s"]
+        ratios[phase] = statistics.median(p["ours"] / p["stock"] for p in pairs.values())
+    return ratios
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+def recipe_main(args, run=run_recipe) -> int:
+    from superoffload_hf.host.kernel import get_host_adam
+
+    cores = len(os.sched_getaffinity(0))
+    print(f"cpu_overhead --recipe: {cpu_model()}, {cores} cores, {get_host_adam().describe()}; "
+          f"{args.rounds} alternating pairs of {args.recipe_steps}-step runs, idle then beside {args.load} busy processes")
+    rows = measure_recipe(args, run)
+    ratios = recipe_ratios(rows)
+    print("\n| phase | busy processes | round | contender | tokens/s | load average (1 min) |")
+    print("|---|---:|---:|---|---:|---:|")
+    for row in rows:
+        print(f"| {row['phase']} | {row['load']} | {row['round']} | {row['contender']} | {row['tokens_per_s']:,.0f} | "
+              f"{row['loadavg_1m']:.2f} |")
+    print("\n| phase | ours / stock tokens/s (median of pairs) | target |")
+    print("|---|---:|---|")
+    missed = []
+    for phase, target in RECIPE_TARGETS.items():
+        met = ratios[phase] >= target
+        missed += [] if met else [phase]
+        print(f"| {phase} | {ratios[phase]:.3f}x | {'met' if met else 'MISSED'} (>= {target:.3f}x) |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": rows, "ratios": ratios}, f, indent=1)
+    for phase in missed:
+        print(f"TARGET MISSED: {phase}: ours / stock tokens/s = {ratios[phase]:.3f}x < {RECIPE_TARGETS[phase]:.3f}x",
+              file=sys.stderr)
+    return 2 if missed and not args.no_check else 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.recipe:
+        return recipe_main(args)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     from superoffload_hf.host.kernel import get_host_adam

@@ -10,6 +10,11 @@ to the engine; `stop()` (called by close() and by a weakref.finalize) ends it.
 cores that backward itself uses (measured on 2 cores: a speculative step overlapped with backward
 slowed it by twice the step's own time), so each job runs when it is submitted, on the calling
 thread, with the same failure semantics.
+
+The worker thread's torch ops run with one intra-op thread: each OS thread that issues an OpenMP
+parallel region gets its own team of `torch.get_num_threads()` threads, so torch ops here (the
+simulated device's copies, fills, `equal`) made a second team spinning beside the training
+thread's and the kernel's own pool (measured: 242 parallel regions from this thread in 5 steps).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import queue
 import threading
 import time
 from typing import Callable, Optional
+
+import torch
 
 POLL_SECONDS = 0.05
 
@@ -47,7 +54,21 @@ class _Failure:
     error: Optional[BaseException] = None
 
 
+def one_intra_op_thread() -> None:
+    """Make torch's ops on the calling thread run without an OpenMP team of their own, leaving
+    every other thread's count, and the default a new thread starts with, as they were."""
+    default = torch.get_num_threads()  # this thread's lazy init first: it would undo what follows
+    torch.set_num_threads(1)  # this thread's team size; as a side effect also the process default:
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="superoffload-threads")
+    restore.start()  # restored from a thread of its own (the call sets its caller's count too)
+    restore.join()
+
+
 def _run(jobs: "queue.SimpleQueue", failure: _Failure) -> None:
+    try:
+        one_intra_op_thread()
+    except BaseException as error:  # every job is then dropped and the training thread raises
+        failure.error = error
     while True:
         item = jobs.get()
         if item is None:
