@@ -18,22 +18,14 @@ from typing import Optional
 
 import torch
 
+from superoffload_hf.testing.host_memory import bytes_from_env
+
 DEVICE_MEMORY_ENV_VAR = "SUPEROFFLOAD_SIM_DEVICE_MEMORY"  # bytes, for the shared simulated device
 TOTAL_BYTES = 80 * 2**30  # the fake device's memory when no budget is set
 
 
 def device_budget_from_env(environ=os.environ) -> Optional[int]:
-    value = environ.get(DEVICE_MEMORY_ENV_VAR, "").strip()
-    if not value:
-        return None
-    try:
-        budget = int(float(value))
-    except ValueError:
-        budget = -1
-    if budget < 0:
-        raise ValueError(f"{DEVICE_MEMORY_ENV_VAR}={value!r}; expected a number of bytes >= 0, e.g. "
-                         f"{DEVICE_MEMORY_ENV_VAR}=2e9, or unset it for the simulated device's 80 GiB.")
-    return budget
+    return bytes_from_env(DEVICE_MEMORY_ENV_VAR, "the simulated device's 80 GiB", environ)
 
 
 class SimDeviceMemory:

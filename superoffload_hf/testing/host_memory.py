@@ -34,8 +34,9 @@ def pinned_block_bytes(nbytes: int) -> int:
     return 1 << max(0, (nbytes - 1).bit_length())
 
 
-def budget_from_env(environ=os.environ) -> Optional[int]:
-    value = environ.get(HOST_BUDGET_ENV_VAR, "").strip()
+def bytes_from_env(var: str, unset_means: str, environ=os.environ) -> Optional[int]:
+    """A budget in bytes from environment variable `var` (None: unset, which means `unset_means`)."""
+    value = environ.get(var, "").strip()
     if not value:
         return None
     try:
@@ -43,9 +44,13 @@ def budget_from_env(environ=os.environ) -> Optional[int]:
     except ValueError:
         budget = -1
     if budget < 0:
-        raise ValueError(f"{HOST_BUDGET_ENV_VAR}={value!r}; expected a number of bytes >= 0, e.g. "
-                         f"{HOST_BUDGET_ENV_VAR}=2e9, or unset it for no budget.")
+        raise ValueError(f"{var}={value!r}; expected a number of bytes >= 0, e.g. {var}=2e9, or unset it "
+                         f"for {unset_means}.")
     return budget
+
+
+def budget_from_env(environ=os.environ) -> Optional[int]:
+    return bytes_from_env(HOST_BUDGET_ENV_VAR, "no budget", environ)
 
 
 class SimHostMemory:
