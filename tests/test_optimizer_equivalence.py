@@ -7,8 +7,9 @@ two agree to a few ulp per step: rtol 1e-5 / atol 1e-6 over 8 steps at lr 1e-3.
 
 Eight steps, not more: each step is compared element by element, so a wrong update shows at the
 step it happens; 8 steps give every pattern below 4 clipped and 4 unclipped steps, Adam's bias
-correction and state carried over 7 step boundaries, and "auto" (window 20) has decided to stop
-speculating by step 2 (its stop/resume over a window has its own test below).
+correction and state carried over 7 step boundaries, and "auto" (window 20) stops speculating at
+the first rolled-back step (step 0 or 1) and would not resume within 20 steps in any of these
+patterns (its stop and resume have their own test below).
 
 Clipping regimes: "always" clips with max_grad_norm 1e-3 against norms of ~2 (coefficient
 ~5e-4), "mild" with 0.9 x this step's norm (coefficient ~0.9: the host buckets are speculated and
