@@ -13,6 +13,7 @@ import copy
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,16 +84,37 @@ def train_logs(trainer: Trainer) -> list[dict]:
     return [record for record in trainer.state.log_history if "loss" in record]
 
 
-def assert_same_training(stock: Trainer, offload: Trainer) -> None:
-    stock_logs, offload_logs = train_logs(stock), train_logs(offload)
+class FinishedRun:
+    """What a finished training run leaves to compare: its loss records and its final weights."""
+
+    def __init__(self, trainer: Trainer):
+        self.logs = train_logs(trainer)
+        self.params = [(name, p.detach().clone()) for name, p in trainer.model.named_parameters()]
+
+
+# Runs shared by several tests, trained once per test process: stock-Trainer references (they do
+# not depend on device_mode: the stock Trainer never touches the simulated device) and the
+# checkpointed runs of the resume tests (per device_mode). Keys hold every argument of the run.
+_SHARED_RUNS: dict = {}
+
+
+def stock_run(tmp_path: Path, **overrides) -> FinishedRun:
+    key = ("stock", tuple(sorted(overrides.items())))
+    if key not in _SHARED_RUNS:
+        _SHARED_RUNS[key] = FinishedRun(train(make_args(tmp_path, "stock", superoffload=False, **overrides)))
+    return _SHARED_RUNS[key]
+
+
+def assert_same_training(stock: FinishedRun, offload: Trainer) -> None:
+    stock_logs, offload_logs = stock.logs, train_logs(offload)
     assert len(stock_logs) == len(offload_logs) == STEPS
     for key in ("loss", "grad_norm", "learning_rate"):
         expected = torch.tensor([record[key] for record in stock_logs], dtype=torch.float64)
         actual = torch.tensor([record[key] for record in offload_logs], dtype=torch.float64)
         torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=f"logged {key}")
     offload.model.state_dict()  # the documented read (weight-flow: fetches the units)
-    for (name, expected), (_, actual) in zip(stock.model.named_parameters(), offload.model.named_parameters()):
-        torch.testing.assert_close(actual.detach(), expected.detach(), rtol=RTOL, atol=ATOL, msg=name)
+    for (name, expected), (_, actual) in zip(stock.params, offload.model.named_parameters()):
+        torch.testing.assert_close(actual.detach(), expected, rtol=RTOL, atol=ATOL, msg=name)
 
 
 # ---- training matches the stock Trainer ----------------------------------------------------------
@@ -101,7 +123,7 @@ def assert_same_training(stock: Trainer, offload: Trainer) -> None:
 @pytest.mark.parametrize("max_grad_norm", [HUGE, LATE, TINY],
                          ids=["clipping_never", "clipping_found_late", "clipping_always"])
 def test_superoffload_trainer_matches_stock_adamw(tmp_path, max_grad_norm):
-    stock = train(make_args(tmp_path, "stock", superoffload=False, max_grad_norm=max_grad_norm))
+    stock = stock_run(tmp_path, max_grad_norm=max_grad_norm)
     offload = train(make_args(tmp_path, "offload", max_grad_norm=max_grad_norm))
     assert isinstance(offload.optimizer, SuperOffloadAcceleratedOptimizer)
     assert_same_training(stock, offload)
@@ -129,14 +151,14 @@ def test_weight_flow_under_the_trainer_matches_stock_adamw(tmp_path):
 def test_a_compiled_model_trains_to_the_stock_eager_numbers(tmp_path):
     """torch_compile=True: the forward hooks return at once inside the compiled region; the
     compiled wrapper, which runs eagerly, waits for every bucket its model reads."""
-    stock = train(make_args(tmp_path, "stock", superoffload=False, max_grad_norm=LATE))
+    stock = stock_run(tmp_path, max_grad_norm=LATE)
     offload = train(make_args(tmp_path, "offload", max_grad_norm=LATE, torch_compile=True,
                               torch_compile_backend="eager"))
     assert_same_training(stock, offload)
 
 
 def test_default_superoffload_config_matches_stock_adamw_at_the_default_max_grad_norm(tmp_path):
-    stock = train(make_args(tmp_path, "stock", superoffload=False, max_grad_norm=1.0))
+    stock = stock_run(tmp_path, max_grad_norm=1.0)
     offload = train(make_args(tmp_path, "offload", max_grad_norm=1.0,
                               superoffload_config={"host_kernel": "reference"}))
     assert_same_training(stock, offload)
@@ -144,7 +166,7 @@ def test_default_superoffload_config_matches_stock_adamw_at_the_default_max_grad
 
 def test_gradient_accumulation_matches_stock_adamw(tmp_path):
     overrides = dict(gradient_accumulation_steps=3, per_device_train_batch_size=2, max_grad_norm=0.5)
-    stock = train(make_args(tmp_path, "stock", superoffload=False, **overrides))
+    stock = stock_run(tmp_path, **overrides)
     offload = train(make_args(tmp_path, "offload", **overrides))
     assert_same_training(stock, offload)
     assert unwrap_optimizer(offload.optimizer).counters.steps == STEPS
@@ -244,7 +266,7 @@ def test_a_skipped_step_does_not_advance_the_lr_scheduler(tmp_path):
 
 def test_fp16_device_dtype_scales_the_loss_in_the_optimizer_not_a_grad_scaler(tmp_path):
     """fp16 on the CPU: the config's device_dtype (Accelerate refuses fp16=True without a GPU)."""
-    stock = train(make_args(tmp_path, "stock", superoffload=False, max_steps=1))
+    stock = stock_run(tmp_path, max_steps=1)
     trainer = train(make_args(tmp_path, "fp16", max_steps=1,
                               superoffload_config={**SPECULATE, "device_dtype": "fp16"}))
     assert isinstance(trainer.accelerator.scaler, SuperOffloadLossScaler)
@@ -252,7 +274,7 @@ def test_fp16_device_dtype_scales_the_loss_in_the_optimizer_not_a_grad_scaler(tm
     (record,) = train_logs(trainer)
     assert record[LOG_PREFIX + "loss_scale"] == 2.0**16
     # Scaled by 2**16 for backward, unscaled once by the optimizer: the fp32 norm up to fp16 rounding.
-    assert record["grad_norm"] == pytest.approx(train_logs(stock)[0]["grad_norm"], rel=2e-2)
+    assert record["grad_norm"] == pytest.approx(stock.logs[0]["grad_norm"], rel=2e-2)
 
 
 def test_trainer_without_superoffload_is_the_stock_trainer(tmp_path):
@@ -294,27 +316,41 @@ def assert_nested_equal(actual, expected, where="state_dict"):
         assert actual == expected, where
 
 
-def test_resume_from_checkpoint_continues_bit_identically(tmp_path):
-    overrides = dict(max_steps=8, save_strategy="steps", save_steps=4, max_grad_norm=0.5)
-    uninterrupted = train(make_args(tmp_path, "straight", **overrides))
-    train(make_args(tmp_path, "interrupted", **overrides), callbacks=[StopAt(4)])
+RESUME_OVERRIDES = dict(max_steps=8, save_strategy="steps", save_steps=4, max_grad_norm=0.5)
+
+
+@pytest.fixture
+def straight_run(device_mode, tmp_path, tmp_path_factory) -> FinishedRun:
+    """The uninterrupted 8-step run, and in tmp_path / "interrupted" the output of the same run
+    stopped at step 4 (checkpoint-4). Both are trained once per device_mode; every test gets its
+    own copy of the interrupted run's output_dir to resume from, or to damage."""
+    key = ("resume", device_mode)
+    if key not in _SHARED_RUNS:
+        base = tmp_path_factory.mktemp(f"resume-{device_mode}")
+        straight = FinishedRun(train(make_args(base, "straight", **RESUME_OVERRIDES)))
+        train(make_args(base, "interrupted", **RESUME_OVERRIDES), callbacks=[StopAt(4)])
+        _SHARED_RUNS[key] = (straight, base / "interrupted")
+    straight, interrupted = _SHARED_RUNS[key]
+    shutil.copytree(interrupted, tmp_path / "interrupted")
+    return straight
+
+
+def test_resume_from_checkpoint_continues_bit_identically(tmp_path, straight_run):
+    overrides, uninterrupted = RESUME_OVERRIDES, straight_run
     checkpoint = tmp_path / "interrupted" / "checkpoint-4"
     capture = CaptureOptimizerState()
     resumed = train(make_args(tmp_path, "interrupted", **overrides), callbacks=[capture],
                     resume=str(checkpoint))
     saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     assert_nested_equal(capture.state_dict, saved)  # restored, not re-initialised
-    for (name, expected), (_, actual) in zip(uninterrupted.model.named_parameters(),
-                                             resumed.model.named_parameters()):
+    for (name, expected), (_, actual) in zip(uninterrupted.params, resumed.model.named_parameters()):
         assert torch.equal(actual, expected), name
-    assert train_logs(resumed)[-1]["loss"] == train_logs(uninterrupted)[-1]["loss"]
+    assert train_logs(resumed)[-1]["loss"] == uninterrupted.logs[-1]["loss"]
 
 
-def test_resume_without_the_optimizer_state_is_refused_unless_weights_only_is_asked_for(tmp_path):
+def test_resume_without_the_optimizer_state_is_refused_unless_weights_only_is_asked_for(tmp_path, straight_run):
     """The stock Trainer would start a fresh optimizer and LR schedule at step 4 and say it resumed."""
-    overrides = dict(max_steps=8, save_strategy="steps", save_steps=4, max_grad_norm=0.5)
-    uninterrupted = train(make_args(tmp_path, "straight", **overrides))
-    train(make_args(tmp_path, "interrupted", **overrides), callbacks=[StopAt(4)])
+    overrides, uninterrupted = RESUME_OVERRIDES, straight_run
     checkpoint = tmp_path / "interrupted" / "checkpoint-4"
     os.remove(checkpoint / "optimizer.pt")
     with pytest.raises(ResumeError, match=r"has no optimizer.pt.*resume_weights_only"):
@@ -324,7 +360,7 @@ def test_resume_without_the_optimizer_state_is_refused_unless_weights_only_is_as
     # Deliberately: the weights of step 4, then 8 fresh steps (the dropped state changes the result).
     resumed = train(make_args(tmp_path, "interrupted", resume_weights_only=True, **overrides), resume=str(checkpoint))
     assert resumed.state.global_step == 8 and train_logs(resumed)[0]["step"] == 1
-    differs = [not torch.equal(a, b) for a, b in zip(uninterrupted.model.parameters(), resumed.model.parameters())]
+    differs = [not torch.equal(a, b) for (_, a), b in zip(uninterrupted.params, resumed.model.parameters())]
     assert any(differs)
 
 
@@ -343,10 +379,8 @@ def test_a_stock_trainer_patched_by_the_launcher_refuses_missing_optimizer_state
         trainer.train(resume_from_checkpoint=True)
 
 
-def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog):
-    overrides = dict(max_steps=8, save_strategy="steps", save_steps=4, max_grad_norm=0.5)
-    uninterrupted = train(make_args(tmp_path, "straight", **overrides))
-    train(make_args(tmp_path, "interrupted", **overrides), callbacks=[StopAt(4)])
+def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog, straight_run):
+    overrides, uninterrupted = RESUME_OVERRIDES, straight_run
     crashed = tmp_path / "interrupted" / "checkpoint-6"  # killed while writing the optimizer state
     crashed.mkdir()
     (crashed / "model.safetensors").write_bytes((tmp_path / "interrupted" / "checkpoint-4" / "model.safetensors").read_bytes())
@@ -357,7 +391,7 @@ def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog):
     assert f"resuming from {tmp_path / 'interrupted' / 'checkpoint-4'}" in caplog.text
     # News, not a warning: `superoffload train` prints it itself, and a warning would print it twice.
     assert [r.levelname for r in caplog.records if "resuming from" in r.getMessage()] == ["INFO"]
-    for (name, expected), (_, actual) in zip(uninterrupted.model.named_parameters(), resumed.model.named_parameters()):
+    for (name, expected), (_, actual) in zip(uninterrupted.params, resumed.model.named_parameters()):
         assert torch.equal(actual, expected), name
 
 
