@@ -140,7 +140,7 @@ def test_superoffload_trainer_matches_stock_adamw(tmp_path, max_grad_norm):
 
 def test_weight_flow_under_the_trainer_matches_stock_adamw(tmp_path):
     """`weights: flow` through `superoffload_config`: the Trainer hands the optimizer its model."""
-    stock = train(make_args(tmp_path, "stock", superoffload=False, max_grad_norm=LATE))
+    stock = stock_run(tmp_path, max_grad_norm=LATE)
     offload = train(make_args(tmp_path, "offload", max_grad_norm=LATE,
                               superoffload_config={**SPECULATE, "weights": "flow", "device_buckets": 0}))
     assert "weights flow: 5 units" in unwrap_optimizer(offload.optimizer).describe()
