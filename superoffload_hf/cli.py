@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.errors import CorruptStateError
+from superoffload_hf.integrations.openmp_wait import set_openmp_waiting
 from superoffload_hf.integrations.checkpoint_save import CheckpointSaveError
 from superoffload_hf.integrations.resume import ResumeError
 from superoffload_hf.train.catalog import resolve_recipe
@@ -61,13 +62,8 @@ commands:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # torch's OpenMP workers spin for milliseconds after each parallel region and take the cores
-    # the host Adam needs (benchmarks/adam.py: 84% of its isolated speed right after a torch op,
-    # 100% with a passive policy). libgomp reads this once, when torch loads: nothing above has
-    # imported torch yet (superoffload_hf's package import is lazy about it). Not for a recipe
-    # that trains on the CPU, where torch's own parallel regions are the work (passive: 1.5x slower).
-    if argv[:1] == ["train"] and not recipe_trains_on_cpu(argv[1:]):
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if argv[:1] == ["train"]:
+        set_openmp_waiting(os.environ, on_cpu=recipe_trains_on_cpu(argv[1:]))
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2

@@ -447,19 +447,20 @@ def test_counters_are_read_through_the_accelerate_wrapper():
     assert optimizer_counters(types.SimpleNamespace(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))) is None
 
 
-def test_the_cli_sets_a_passive_openmp_wait_policy_before_torch_loads_unless_training_on_the_cpu(tmp_path):
+def test_the_cli_sets_how_openmp_waits_before_torch_loads_passive_or_a_short_spin_on_the_cpu(tmp_path):
     gpu_recipe = REPO / "recipes" / "llama3.2-1b.yaml"
     code = ("import os, sys; os.environ.pop('OMP_WAIT_POLICY', None)\n"
             "import superoffload_hf.cli as cli\n"
             "assert 'torch' not in sys.modules, 'importing the CLI loaded torch: too late for the policy'\n"
             f"cli.main(['train', {str(TINY)!r}, '--dry-run'])\n"
-            "assert 'OMP_WAIT_POLICY' not in os.environ  # the tiny recipe trains on the CPU\n"
+            "assert 'OMP_WAIT_POLICY' not in os.environ  # the tiny recipe trains on the CPU: a short spin\n"
+            "assert os.environ.pop('GOMP_SPINCOUNT') == '2000'\n"
             f"cli.main(['train', {str(gpu_recipe)!r}, '--dry-run'])\n"
             "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE'\n"
             "os.environ['OMP_WAIT_POLICY'] = 'ACTIVE'\n"
             f"cli.main(['train', {str(gpu_recipe)!r}, '--dry-run'])\n"
             "assert os.environ['OMP_WAIT_POLICY'] == 'ACTIVE'  # a user's choice stays\n")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -84,7 +84,9 @@ def test_shipped_accelerate_configs_carry_valid_superoffload_blocks():
 def test_launch_environment_makes_torchs_openmp_workers_wait_passively_unless_the_user_chose():
     assert launcher.launch_environment({}, {})["OMP_WAIT_POLICY"] == "PASSIVE"
     assert launcher.launch_environment({"OMP_WAIT_POLICY": "ACTIVE"}, {})["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert "OMP_WAIT_POLICY" not in launcher.launch_environment({}, {}, on_cpu=True)  # torch's work there
+    on_cpu = launcher.launch_environment({}, {}, on_cpu=True)  # torch's regions are the work there
+    assert "OMP_WAIT_POLICY" not in on_cpu and on_cpu["GOMP_SPINCOUNT"] == "2000"  # a short spin
+    assert launcher.launch_environment({"GOMP_SPINCOUNT": "0"}, {}, on_cpu=True)["GOMP_SPINCOUNT"] == "0"
 
 
 def test_launch_environment_carries_the_block_and_puts_the_site_dir_first():

@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence
 from superoffload_hf.integrations.autopatch import CONFIG_ENV_VAR
 from superoffload_hf.integrations.launch_child import exit_status
 from superoffload_hf.integrations.launch_env import LAUNCH_COMMAND_ENV_VAR
+from superoffload_hf.integrations.openmp_wait import set_openmp_waiting
 
 SITE_DIR = Path(__file__).resolve().parent / "launch_site"
 CONFIG_FLAGS = ("--config_file", "--config-file")
@@ -153,13 +154,9 @@ def accelerate_command(plan: LaunchPlan, tmp_dir: str) -> list[str]:
 def launch_environment(environ: dict[str, str], block: dict[str, Any], on_cpu: bool = False) -> dict[str, str]:
     env = dict(environ)
     env[CONFIG_ENV_VAR] = json.dumps(block)
-    # torch's OpenMP workers spin for milliseconds after each parallel region and take the cores
-    # the host Adam needs (measured: 84% of its isolated speed right after a torch op, 100% with
-    # a passive wait policy). Read once, when libgomp loads: only a launcher can set it in time.
-    # Not when the model itself trains on the CPU: there torch's own parallel regions are the
-    # work, and a passive policy made the tiny recipe 1.5x slower (16,300 -> 10,900 tokens/s).
-    if not on_cpu:
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # how torch's OpenMP threads wait: read once, when libgomp loads, so only a launcher can set
+    # it in time for the script (openmp_wait.py says what and why)
+    set_openmp_waiting(env, on_cpu)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), environ.get("PYTHONPATH")) if p)
     return env
 
