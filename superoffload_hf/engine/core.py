@@ -454,6 +454,7 @@ class Engine:
             self.worker.stop()
             self.closed = True
             self.waiter.inflight.clear()
+            self.waiter.versions.clear()  # (it names the bucket runtimes, and they their buffers)
             self.buckets.release()
             if self.dp is not None:
                 self.dp.release()
