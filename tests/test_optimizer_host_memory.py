@@ -106,7 +106,15 @@ def test_compact_state_holds_its_bytes_per_param_by_the_ledger_as_the_footprint_
         snapshot = ledger.bytes(kind="snapshot")
         counted = rows["snapshot"].nbytes if "snapshot" in rows else 0  # auto on the CPU device: none (snapshot_trade.py)
         assert snapshot in (0, counted), (snapshot, counted)
-        assert ("snapshot" in rows) == (speculation == "on" or device_mode == "sim"), rows.keys()
+        # auto on the simulated device: the snapshots fit, so they are counted, unless the first
+        # step measured their copies outlasting the backward (timing: a loaded machine may)
+        trade = engine.trade
+        timed_out = trade.copy_seconds_per_step is not None and trade.copy_seconds_per_step >= trade.backward_seconds
+        expected = speculation == "on" or (device_mode == "sim" and not timed_out)
+        assert ("snapshot" in rows) == expected == (speculation == "on" or trade.speculated_buckets > 0), (
+            rows.keys(), trade)
+        if device_mode == "sim" and speculation == "auto" and timed_out:
+            assert trade.speculated_buckets == 0 and "copying the snapshots takes" in trade.reason, trade
         if device_mode == "sim" and speculation == "on":  # the device overlaps: speculated, the snapshots exist
             assert opt.counters.speculative_steps > 0 and snapshot == counted
         # one micro-batch over a bf16 link (BufferPolicy.grad_lazy): the step reads the landed
