@@ -23,6 +23,7 @@ micro-batch per step there is no gradient buffer either (BufferPolicy.grad_on_de
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Iterator, Optional
 
@@ -31,8 +32,9 @@ import torch
 from superoffload_hf.engine import precision
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime
-from superoffload_hf.engine.memory import (COMPACT_KINDS, STATE_KINDS, BufferPolicy, HostArena, Ledger,
+from superoffload_hf.engine.memory import (COMPACT_KINDS, STATE_KINDS, BufferPolicy, HostArena, Ledger, footprint,
                                           spare_landing_numel)
+from superoffload_hf.engine.pin_method import PinMethod, choose_pin_method
 from superoffload_hf.engine.plan import BucketPlan, ParamSlot
 
 logger = logging.getLogger("superoffload_hf")
@@ -42,8 +44,11 @@ DEVICE_KINDS = STATE_KINDS + ("grad",)  # a device-resident bucket's buffers (fp
 
 
 class BucketSet:
-    def __init__(self, params: list[torch.Tensor], policy: BufferPolicy, runtime, shard_of=None, codec=None):
+    def __init__(self, params: list[torch.Tensor], policy: BufferPolicy, runtime, shard_of=None, codec=None,
+                 pin_mode: str = "alloc", pin_threads: int = 1):
         self.params = params
+        self._pin_mode, self._pin_threads = pin_mode, pin_threads
+        self.pin_method: Optional[PinMethod] = None  # chosen at the first install (engine/pin_method.py)
         self.codec = codec  # the host Adam back end: compact_encode_ / compact_decode (compact state)
         self.index_of = {p: i for i, p in enumerate(params)}
         self.policy, self.runtime = policy, runtime
@@ -66,6 +71,9 @@ class BucketSet:
         """Buffers for `plan`, masters from the parameters as given (an fp32 model keeps full
         precision), moments zero."""
         bufs = self._new_buffers(plan)
+        if self.pin_method is None:
+            pinned = sum(r.nbytes for r in footprint(plan, self.policy) if r.place == "pinned")
+            self.pin_method = choose_pin_method(self.runtime, self._pin_mode, self._pin_threads, pinned)
         pin_seconds = self.ledger.pin_seconds
         for kind in self._kinds():
             self._allocate_kind(plan, bufs, kind)
@@ -102,7 +110,8 @@ class BucketSet:
     def _log_pinning(self, seconds: float) -> None:
         pinned = self.ledger.bytes("pinned")
         if pinned:
-            logger.info("SuperOffload: page-locking %.3f GB of host buffers took %.2fs", pinned / 1e9, seconds)
+            logger.info("SuperOffload: page-locking %.3f GB of host buffers took %.2fs by %s", pinned / 1e9, seconds,
+                        self.pin_method.describe())
 
     def _master_sources(self, b, flat: torch.Tensor):
         """(buffer view, parameter values) pairs that initialise a bucket's master."""
@@ -241,8 +250,9 @@ class BucketSet:
         kinds = self.policy.host_kinds()
         if kind in kinds and host:
             dtype, pinned = kinds[kind]
-            arena = HostArena(kind, [self.policy.kind_numel(kind, self._numel(plan.buckets[k])) for k in host],
-                              dtype, pinned, self.policy.rounds_pinned, self.runtime, self.ledger)
+            with self.pin_method.applied(self.runtime) if pinned and self.policy.pin else contextlib.nullcontext():
+                arena = HostArena(kind, [self.policy.kind_numel(kind, self._numel(plan.buckets[k])) for k in host],
+                                  dtype, pinned, self.policy.rounds_pinned, self.runtime, self.ledger)
             self.arenas[kind] = arena
             for j, k in enumerate(host):
                 setattr(bufs[k], kind, arena.view(j))

@@ -138,7 +138,7 @@ class Engine:
                                             else collectives.topology.shard_world)
         self.buckets = BucketSet(self.params, buffers, self.runtime,
                                  shard_of=None if collectives is None else sharding(collectives, self.layout.align),
-                                 codec=self.adam)
+                                 codec=self.adam, pin_mode=config.pin_method, pin_threads=self.adam.threads)
         initial = self.layout.initial_plan()
         # speculation auto with compact state: how many buckets may keep a rollback snapshot
         self.trade = engine_trade(initial, buffers, config.speculation, self.runtime,

@@ -140,9 +140,10 @@ class _Param(_DeviceBuffer):
 
 
 class _Pinned:
-    def __init__(self, key: int, block: int):
+    def __init__(self, key: int, block: int, registered: bool):
         self.key = key
         self.block = block  # bytes of the host allocator's block (testing/host_memory.py)
+        self.registered = registered  # pinned by cudaHostRegister (host_register on) or cudaHostAlloc
 
 
 class _Copy:
@@ -517,7 +518,7 @@ class SimRuntime:
             self._settle()
             block = self.host_memory.allocate_pinned(nbytes)
             t = torch.empty(numel, dtype=dtype)
-            record = _Pinned(_storage_key(t), block)
+            record = _Pinned(_storage_key(t), block, self.host_registered)
             self._pinned[record.key] = record
         weakref.finalize(t, self._freed.append, record)
         return t
@@ -527,6 +528,13 @@ class SimRuntime:
         with self._lock:
             self._settle()
             return self.host_memory.empty_cache()
+
+    def pin_method_of(self, t: torch.Tensor) -> Optional[str]:
+        """How the page-locked block of `t` was pinned ("cudaHostRegister" / "cudaHostAlloc"), as
+        host_register said when it was allocated; None: `t` is not a page-locked allocation."""
+        with self._lock:
+            record = self._pinned.get(_storage_key(t))
+        return None if record is None else "cudaHostRegister" if record.registered else "cudaHostAlloc"
 
     def host_register(self, enabled: bool, threads: int = 8) -> bool:
         """The switch of CUDA's pinning method (cudaHostRegister vs cudaHostAlloc), recorded only:
