@@ -30,6 +30,7 @@ from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.errors import CorruptStateError
 from superoffload_hf.integrations.openmp_wait import set_openmp_waiting
 from superoffload_hf.integrations.checkpoint_save import CheckpointSaveError
+from superoffload_hf.integrations.ctrl_c import CtrlC
 from superoffload_hf.integrations.resume import ResumeError
 from superoffload_hf.train.catalog import resolve_recipe
 from superoffload_hf.train.output_dir import OVERWRITE_FLAG
@@ -404,7 +405,8 @@ def train(recipe: Recipe) -> "TrainSummary":
     model = build_model(recipe, tokenizer)
     dataset = build_dataset(recipe.data, tokenizer)
     _print_plan(recipe, model, tokenizer, dataset)
-    recorder = _RunRecorder()
+    ctrl_c = CtrlC()
+    recorder = _RunRecorder(ctrl_c)
     trainer = Trainer(
         model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
         processing_class=tokenizer, callbacks=[recorder.callback()],
@@ -413,7 +415,8 @@ def train(recipe: Recipe) -> "TrainSummary":
         load_weights_only(trainer, resume.checkpoint)
     full_resume = None if resume.checkpoint is None or resume.weights_only else str(resume.checkpoint)
     try:
-        output = trainer.train(resume_from_checkpoint=full_resume)
+        with ctrl_c.installed():
+            output = trainer.train(resume_from_checkpoint=full_resume)
     except KeyboardInterrupt:
         raise TrainingInterrupted(trainer.state.global_step) from None
     checkpoint = _final_checkpoint(trainer, args)
@@ -445,11 +448,13 @@ def _print_plan(recipe: Recipe, model: Any, tokenizer: Any, dataset: Any) -> Non
 
 
 class _RunRecorder:
-    """Remembers the step a run started at (after a resume) and the losses it logged."""
+    """Remembers the step a run started at (after a resume) and the losses it logged; raises a
+    Ctrl-C that arrived where it could not (integrations/ctrl_c.py) at the end of the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, ctrl_c: "CtrlC") -> None:
         self.start_step = 0
         self.losses: list[tuple[int, float]] = []
+        self.ctrl_c = ctrl_c
 
     def callback(self) -> Any:
         from transformers import TrainerCallback
@@ -466,6 +471,12 @@ class _RunRecorder:
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs and "loss" in logs:
                     recorder.losses.append((state.global_step, float(logs["loss"])))
+
+            def on_substep_end(self, args, state, control, **kwargs):
+                recorder.ctrl_c.raise_if_pending()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                recorder.ctrl_c.raise_if_pending()
 
         return _Callback()
 

@@ -28,6 +28,13 @@ def offline_env() -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
+def default_ctrl_c() -> None:
+    """In the child before it starts: SIGINT's default action, which Python turns into
+    KeyboardInterrupt. A shell starts background jobs with SIGINT ignored and children inherit
+    that: a suite started that way would otherwise hang here (the child ignores the Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(condition, proc: subprocess.Popen, seconds: float = 300) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -40,7 +47,7 @@ def test_ctrl_c_after_a_checkpoint_prints_the_step_the_checkpoint_and_the_resume
     out = tmp_path / "out"
     args = ["train", TINY, *SMALL, "--training.output_dir", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "superoffload_hf.cli", *args], cwd=REPO, env=offline_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_ctrl_c)
     try:
         wait_for(lambda: incomplete_reason(out / "checkpoint-2") is None, proc)
         proc.send_signal(signal.SIGINT)
@@ -78,7 +85,8 @@ def test_ctrl_c_in_superoffload_launch_reports_the_checkpoint_and_the_resume_com
             "--report_to", "none", "--use_cpu", "--disable_tqdm", "true"]
     # Its own process group, interrupted as a whole: what Ctrl-C in a terminal does.
     proc = subprocess.Popen([sys.executable, "-m", "superoffload_hf.cli", *argv], cwd=tmp_path, env=offline_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=default_ctrl_c)
     try:
         wait_for(lambda: incomplete_reason(out / "checkpoint-2") is None, proc)
         os.killpg(proc.pid, signal.SIGINT)
@@ -109,3 +117,50 @@ def test_ctrl_c_inside_an_inline_host_job_reaches_the_caller_as_a_keyboard_inter
     assert pending.idle.is_set()
     with pytest.raises(RuntimeError, match="host worker failed: KeyboardInterrupt"):
         worker.submit(lambda: None, Pending())  # the optimizer is not used on after a half-run job
+
+
+def test_a_ctrl_c_that_lands_in_a_finalizer_is_raised_at_the_end_of_the_step_instead_of_lost():
+    """Python raises KeyboardInterrupt wherever the main thread is; inside a weakref.finalize
+    callback (a step frees many buffers) it is printed and ignored, and the run went on training.
+    The handler of `superoffload train` (integrations/ctrl_c.py) records it and the step-end
+    callback raises it."""
+    import gc
+    import weakref
+
+    from superoffload_hf.integrations.ctrl_c import CtrlC, in_finalizer
+
+    class Buffer:
+        pass
+
+    def sigint_in_finalizer() -> None:
+        signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the finalizer
+        sum(range(10))  # a few bytecodes: where Python checks for the signal
+
+    def free_a_buffer() -> None:
+        buffer = Buffer()
+        weakref.finalize(buffer, sigint_in_finalizer)
+        del buffer  # the finalizer runs now, in this thread
+        gc.collect()
+
+    # the premise: with Python's own handler the interrupt raised in the finalizer is lost
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        free_a_buffer()  # no KeyboardInterrupt escapes (Python prints "Exception ignored")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    ctrl_c = CtrlC()
+    with ctrl_c.installed():
+        free_a_buffer()
+        assert ctrl_c.pending
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.raise_if_pending()
+        ctrl_c.pending = False
+        with pytest.raises(KeyboardInterrupt):  # anywhere else: at once, as Python's own
+            signal.raise_signal(signal.SIGINT)
+            sum(range(10))
+    assert signal.getsignal(signal.SIGINT) is previous
+    frames = []
+    holder = Buffer()
+    weakref.finalize(holder, lambda: frames.append(sys._getframe()))
+    del holder
+    assert in_finalizer(frames[0]) and not in_finalizer(sys._getframe())
