@@ -175,11 +175,6 @@ class SuperOffloadConfig:
                 "an error term, so it needs `device_dtype: bf16` (under Accelerate / the Trainer: bf16 "
                 "mixed precision). Set `device_dtype: bf16`, or `state_precision: fp32`.")
         _check_choice("weights", self.weights, WEIGHTS_CHOICES)
-        if self.weights != "stationary" and self.state_precision != "fp32":
-            raise ConfigError(
-                f"`weights` is {self.weights!r} with `state_precision` {self.state_precision!r}: weight-flow "
-                "streams fp32 state's low-precision copy so far; the compact bf16 part is not wired in yet. "
-                "Use `state_precision: fp32` with weight-flow, or `weights: stationary`.")
         if self.weights == "flow" and self.device_buckets not in (AUTO, 0):
             raise ConfigError(
                 f"`weights: flow` with `device_buckets: {self.device_buckets}`: a device-resident bucket keeps its "
