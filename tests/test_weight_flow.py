@@ -98,6 +98,60 @@ def test_flow_trains_to_the_bitwise_same_weights_as_stationary(dtype, state):
         assert torch.equal(got[name], value), f"{dtype}/{state}: {name} differs under weight-flow"
 
 
+class _LoRALinear(torch.nn.Module):
+    """A hand-made LoRA adapter (no peft here): the frozen base linear plus B @ A, B starting at zero."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+def _adapted(variant: str) -> torch.nn.Module:
+    model = tiny_llama(num_layers=2)
+    if variant == "frozen":  # a frozen block, a block with a frozen norm: both stay on the device
+        model.model.layers[0].requires_grad_(False)
+        model.model.layers[1].input_layernorm.weight.requires_grad_(False)
+    else:  # adapters in every block's attention, base weights frozen: the blocks stay, the rest flows
+        torch.manual_seed(3)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj = _LoRALinear(layer.self_attn.q_proj)
+            layer.self_attn.v_proj = _LoRALinear(layer.self_attn.v_proj)
+            for name, p in layer.named_parameters():
+                p.requires_grad_("lora_" in name)
+    return model
+
+
+def _train_adapted(variant: str, weights: str) -> tuple[dict, str]:
+    model = _adapted(variant)
+    opt = SuperOffloadAdamW([p for p in model.parameters() if p.requires_grad], lr=LR, model=model, max_grad_norm=1.7,
+                            config=engine_config(device_buckets=0, weights=weights, speculation="on"))
+    with opt:
+        for step in range(3):
+            (batch,) = micro_batches(step)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {name: p.detach().clone() for name, p in read_params(model).items()}, opt.describe()
+
+
+@pytest.mark.usefixtures("device_mode")
+@pytest.mark.parametrize("variant, flowing", [("frozen", 3), ("lora", 3)])
+def test_frozen_parameters_and_adapters_train_under_flow_to_the_bitwise_same_weights(variant, flowing):
+    """A unit with a parameter the optimizer does not train stays on the device (its weights have no
+    host copy the host Adam writes); the others flow."""
+    want, _ = _train_adapted(variant, "stationary")
+    got, summary = _train_adapted(variant, "flow")
+    assert f"weights flow: {flowing} units, 2 stationary" in summary, summary
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{variant}: {name} differs under weight-flow"
+    assert not torch.equal(want["model.embed_tokens.weight"], _adapted(variant).model.embed_tokens.weight)  # trained
+
+
 # ---- a device budget of a quarter of the weights -----------------------------------------------
 
 BUDGET_LAYERS, BUDGET_VOCAB = 16, 64  # many small blocks: two of them are 1/8 of the weights
