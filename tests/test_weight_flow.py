@@ -200,6 +200,8 @@ def test_flow_trains_within_a_quarter_of_the_weights_and_matches_torch_adamw_eve
                                   lambda m, name=name: f"step {step}: {name}: {m}")
         peak = opt.device_memory_peak()
         assert peak <= weight_bytes // 4 and opt._engine.flow.fetches >= 3 * 2 * 19, (peak, weight_bytes)
+        assert (opt.counters.weight_fetches, opt.counters.bytes_fetched) == (
+            opt._engine.flow.fetches, opt._engine.flow.bytes_fetched)  # (the train summary's line)
         assert peak >= 2 * sum(p.numel() * 4 for p in model.model.layers[0].parameters())  # a block and the next
         masters = [state[i]["master_param"].clone() for i in range(len(names))]
     for p, master in zip(model.parameters(), masters):  # closed: too big for the device, left on the host

@@ -280,6 +280,8 @@ class WeightFlow:
         self.bytes_fetched += moved
         if self.counters is not None:
             self.counters.bytes_h2d += moved
+            self.counters.weight_fetches += 1
+            self.counters.bytes_fetched += moved
         if self.timeline is not None:
             from superoffload_hf.perf.timeline import H2D
 
