@@ -463,11 +463,35 @@ def _flow_scenarios(rank, world, save_dir):
     out = {"fp32_stationary": fp32("stationary"), "fp32_flow": fp32("flow")}
     if save_dir is None:  # (the simulated device: the seam, not the variants)
         return out
-    return {**out, "fp32_flow_inverse_rollback": fp32("flow", "inverse"),
+    return {**out, "forward_between": _flow_forward_between_backward_and_step(),
+            "fp32_flow_inverse_rollback": fp32("flow", "inverse"),
             "compact_stationary": train_compact(rank, world, steps=4, **COMPACT),
             "compact_flow": train_compact(rank, world, steps=4, weights="flow", **COMPACT),
             "fp32_flow_saved": fp32("flow", steps=2, save_dir=save_dir),
             "fp32_flow_resumed": fp32("flow", steps=2, start_step=2, load_dir=save_dir)}
+
+
+def _flow_forward_between_backward_and_step():
+    """An evaluation forward after backward, before step(): its first unit's bucket was stepped
+    speculatively on this rank (no clipping: every bucket speculates). Refused on every rank alike."""
+    import torch
+
+    from superoffload_hf import SuperOffloadAdamW
+    from _dp_train import engine_config, micro_batches, tiny_llama
+
+    model = tiny_llama()
+    with SuperOffloadAdamW(model.parameters(), model=model,
+                           config=engine_config(device_buckets=0, weights="flow", speculation="on")) as opt:
+        batch = micro_batches(0)[0]
+        model(**batch).loss.backward()
+        try:
+            with torch.no_grad():
+                model(**batch)
+        except RuntimeError as error:
+            return str(error)
+        finally:
+            opt.zero_grad()  # the speculative steps undone; the units fetched again at close()
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -501,3 +525,9 @@ def test_a_weight_flow_run_on_two_ranks_saved_and_resumed_continues_bit_identica
     for result in flow_results(False):
         assert result["fp32_flow_saved"]["digests"] + result["fp32_flow_resumed"]["digests"] == \
             result["fp32_flow"]["digests"]
+
+
+def test_a_forward_between_backward_and_step_that_would_read_a_speculated_shard_is_refused_naming_the_fixes():
+    for result in flow_results(False):
+        message = result["forward_between"]
+        assert message is not None and "stepped speculatively" in message and "`speculation: off`" in message, message

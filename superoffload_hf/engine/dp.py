@@ -429,10 +429,13 @@ class DataParallel:
 
     def gather_for_flow(self, rt: BucketRuntime) -> torch.Tensor:
         """Training thread, on the current stream (weight-flow's): the bucket's weights, whole
-        (padded), from every rank's shard of its copy-back source. A collective on the training
-        thread's group: every rank fetches the same units in the same order (the forward's, then
-        the backward's), interleaved with the reduce-scatters the same way where every rank has
-        the same parameters' gradients (as DDP without `find_unused_parameters`)."""
+        (padded), from every rank's shard of its copy-back source. A collective (on the gather
+        group, Collectives.all_gather_training): every rank fetches the same units in the same
+        order (the forward's, then the backward's). On gloo a collective blocks until the peers
+        issue it, so the fetches and the reduce-scatters launched during backward must interleave
+        alike on every rank: they do where every rank has the same parameters' gradients (as DDP
+        without `find_unused_parameters`); otherwise the ranks wait for each other until the
+        process group's timeout (never a fetch paired with a reduce-scatter)."""
         runtime, transfer = self.runtime, self.transfer
         src = rt.bufs.copy_back_source  # the shard: lowp (cast host), fp32 master, or compact's bf16 part
         dtype = rt.params[0].dtype
