@@ -464,6 +464,7 @@ def _flow_scenarios(rank, world, save_dir):
     if save_dir is None:  # (the simulated device: the seam, not the variants)
         return out
     return {**out, "forward_between": _flow_forward_between_backward_and_step(),
+            "rank0_state_dict": _flow_state_dict_on_rank_0_after_fetch_weights(rank),
             "fp32_flow_inverse_rollback": fp32("flow", "inverse"),
             "compact_stationary": train_compact(rank, world, steps=4, **COMPACT),
             "compact_flow": train_compact(rank, world, steps=4, weights="flow", **COMPACT),
@@ -492,6 +493,23 @@ def _flow_forward_between_backward_and_step():
         finally:
             opt.zero_grad()  # the speculative steps undone; the units fetched again at close()
     return None
+
+
+def _flow_state_dict_on_rank_0_after_fetch_weights(rank):
+    """Saving from rank 0 alone: fetch_weights() on every rank (the gathers), then rank 0's
+    model.state_dict() fetches nothing (no collective that the other rank would not join)."""
+    from superoffload_hf import SuperOffloadAdamW
+    from _dp_train import engine_config, micro_batches, params_digest, tiny_llama
+
+    model = tiny_llama()
+    with SuperOffloadAdamW(model.parameters(), model=model,
+                           config=engine_config(device_buckets=0, weights="flow")) as opt:
+        model(**micro_batches(rank)[0]).loss.backward()
+        opt.step()
+        opt.fetch_weights()
+        fetched = opt.counters.weight_fetches
+        digest = params_digest(model) if rank == 0 else None  # (reads model.state_dict())
+        return {"digest": digest, "fetches_in_state_dict": opt.counters.weight_fetches - fetched}
 
 
 @functools.lru_cache(maxsize=None)
@@ -531,3 +549,8 @@ def test_a_forward_between_backward_and_step_that_would_read_a_speculated_shard_
     for result in flow_results(False):
         message = result["forward_between"]
         assert message is not None and "stepped speculatively" in message and "`speculation: off`" in message, message
+
+
+def test_saving_from_rank_0_alone_after_fetch_weights_on_every_rank_fetches_nothing_there():
+    zero, one = (r["rank0_state_dict"] for r in flow_results(False))
+    assert zero["digest"] is not None and zero["fetches_in_state_dict"] == 0 == one["fetches_in_state_dict"]
