@@ -503,6 +503,8 @@ class TrainSummary:
     """Where the step timeline was written (None: no `--timeline`)."""
     device_peak: Optional[int] = None
     """Peak device bytes allocated (None: the CPU as the device, or the stock optimizer)."""
+    weight_fetches: Optional[tuple[int, int]] = None
+    """Weight-flow's fetches and their bytes (None: stationary weights, or the stock optimizer)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -520,6 +522,8 @@ class TrainSummary:
             f"  skipped steps  {_or_na(self.skipped_steps)}",
             *([f"  host state     {self.host_state}"] if self.host_state is not None else []),
             *([f"  device peak    {self.device_peak / 1e9:.3f} GB"] if self.device_peak is not None else []),
+            *([f"  weight fetches {self.weight_fetches[0]:,} ({self.weight_fetches[1] / 1e9:.3f} GB host to device)"]
+              if self.weight_fetches is not None else []),
             f"  checkpoint     {self.checkpoint}",
             *([f"  timeline       {self.timeline}"] if self.timeline is not None else []),
         ]
@@ -552,6 +556,8 @@ def _summarize(recipe: Recipe, args: Any, trainer: Any, output: Any, recorder: _
         host_state=_host_state(trainer),
         timeline=_timeline(trainer),
         device_peak=_device_peak(trainer),
+        weight_fetches=(counters.weight_fetches, counters.bytes_fetched)
+        if getattr(counters, "weight_fetches", 0) else None,
     )
 
 

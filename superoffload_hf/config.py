@@ -87,14 +87,16 @@ class SuperOffloadConfig:
     weights: str = "stationary"
     """Where the low-precision weights the device computes with live between uses.
     "stationary": on the device, all of them, all the time. "flow": on the host (the copy the
-    host Adam writes: the low-precision copy under cast "host", the fp32 master under fp32),
-    streamed in per unit (a decoder block; the embedding and the head, a tied pair as one unit)
-    on a side stream before its forward, prefetched one unit ahead, released after it (storage
-    resized to 0), fetched again in reverse order for its backward and released when its
-    gradients have left; device memory then holds about two units of weights. "auto": flow
-    when the weights and the engine's device buffers do not fit in the free device memory, else
-    stationary. One process, `state_precision: fp32` and `device_dtype` fp32 or bf16 so far
-    (docs/weight-flow.md)."""
+    host Adam writes: the low-precision copy under cast "host", the fp32 master under fp32, the
+    bf16 part of the master under compact state), streamed in per unit (a decoder block; the
+    embedding and the head, a tied pair as one unit) on a side stream before its forward,
+    prefetched one unit ahead, released after it (storage resized to 0), fetched again in reverse
+    order for its backward and released when its gradients have left; device memory then holds
+    about two units of weights. Under data parallelism each fetch all-gathers the unit's buckets
+    from the ranks' shards (a collective: every rank runs the same forwards, and calls
+    `model.state_dict()` together). "auto": flow when the weights and the engine's device
+    buffers do not fit in the free device memory, else stationary (under data parallelism:
+    stationary). `device_dtype` fp32 or bf16 (docs/weight-flow.md)."""
 
     host_threads: Union[int, str] = AUTO
     """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on
@@ -175,11 +177,6 @@ class SuperOffloadConfig:
                 "an error term, so it needs `device_dtype: bf16` (under Accelerate / the Trainer: bf16 "
                 "mixed precision). Set `device_dtype: bf16`, or `state_precision: fp32`.")
         _check_choice("weights", self.weights, WEIGHTS_CHOICES)
-        if self.weights != "stationary" and self.state_precision != "fp32":
-            raise ConfigError(
-                f"`weights` is {self.weights!r} with `state_precision` {self.state_precision!r}: weight-flow "
-                "streams fp32 state's low-precision copy so far; the compact bf16 part is not wired in yet. "
-                "Use `state_precision: fp32` with weight-flow, or `weights: stationary`.")
         if self.weights == "flow" and self.device_buckets not in (AUTO, 0):
             raise ConfigError(
                 f"`weights: flow` with `device_buckets: {self.device_buckets}`: a device-resident bucket keeps its "

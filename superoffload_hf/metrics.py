@@ -36,6 +36,11 @@ class OffloadCounters:
     """Gradient bytes moved from the device to the host."""
     bytes_h2d: int = 0
     """Parameter bytes moved from the host to the device (copy-backs, and weight-flow's fetches)."""
+    weight_fetches: int = 0
+    """Weight-flow (config `weights`): units fetched to the device (for a forward, a backward, a
+    state_dict); 0 when the weights are stationary."""
+    bytes_fetched: int = 0
+    """The bytes of those fetches (also counted in `bytes_h2d`)."""
     device_wait_seconds: float = 0.0
     """Seconds the device sat idle waiting for the host: on an accelerator, the time the compute
     stream stalled at the next forward's per-bucket waits for copy-backs, measured with timing

@@ -201,6 +201,14 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         """Wait until every host update has reached the device parameters."""
         self._engine.synchronize()
 
+    def fetch_weights(self) -> None:
+        """Weight-flow (config `weights`): every unit's weights onto the device now, where they
+        stay until their next use releases them (or step()); nothing when they are stationary.
+        Under data parallelism a fetch is an all-gather: every rank calls this together, so that
+        `model.state_dict()` on one rank (saving from rank 0) then fetches nothing."""
+        if self._engine.flow is not None and not self._engine.closed:  # (closed: the weights are back)
+            self._engine.flow.fetch_all()
+
     def write_timeline(self) -> dict:
         """Write the step timeline now, if the config asks for one (`timeline_dir`): trace.json
         and timeline.png there. Also done by close() and, under the Trainer, at the end of

@@ -87,7 +87,7 @@ def unused_everywhere(skip: Optional[dict], world: int, step: int, accumulation:
 def params_digest(model) -> str:
     h = hashlib.sha256()
     for _, p in sorted(read_params(model).items()):
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().clone().numpy().tobytes())  # (a copy: numpy() pins the storage's size, which weight-flow resizes)
     return h.hexdigest()
 
 
@@ -141,7 +141,9 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
         import torch.distributed as dist
 
         group, _ = dist.new_subgroups(group_size=shard_group_size)
-    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, eps=eps, config=cfg, process_group=group)
+    flow = {"model": model} if cfg.get("weights", "stationary") != "stationary" else {}  # weight-flow hooks its blocks
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, eps=eps, config=cfg, process_group=group,
+                            **flow)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=1e-2, eps=eps, foreach=False)
     if load_dir is not None:
         ref_opt.load_state_dict(torch.load(f"{load_dir}/ref_opt.pt", weights_only=True))
@@ -201,8 +203,9 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
                 opt.save_sharded(save_dir)
             else:
                 torch.save(sd, f"{save_dir}/optimizer.pt")
+            weights = model.state_dict()  # on every rank: under data parallel weight-flow a gather (collective)
             if rank == 0:
-                torch.save(model.state_dict(), f"{save_dir}/model.pt")
+                torch.save(weights, f"{save_dir}/model.pt")
                 torch.save(ref.state_dict(), f"{save_dir}/ref_model.pt")
                 torch.save(ref_opt.state_dict(), f"{save_dir}/ref_opt.pt")
         counters = opt.counters.as_dict()
@@ -383,7 +386,8 @@ def compact_state(opt, world: int) -> dict:
 
 def train_compact(rank: int, world: int, steps: int = 6, start_step: int = 0, state_precision: str = "compact",
                   speculation: str = "on", max_grad_norm: float = 1e6, poison: tuple = (1, 2),
-                  save_dir: Optional[str] = None, load_dir: Optional[str] = None, global_world: int = 2) -> dict:
+                  save_dir: Optional[str] = None, load_dir: Optional[str] = None, global_world: int = 2,
+                  weights: str = "stationary") -> dict:
     """A bf16 TinyLM with compact (or fp32) host state. Under data parallelism (`world` > 1) rank r
     runs the micro-batch rank_batches(step, r, ...); in one process (`world` 1) the optimizer
     accumulates all `global_world` ranks' micro-batches of the step (the same global batch,
@@ -394,13 +398,13 @@ def train_compact(rank: int, world: int, steps: int = 6, start_step: int = 0, st
     torch.set_num_threads(1)  # as the spawned ranks (_dist.py): bf16 LayerNorm backward sums per thread
     try:
         return _train_compact(rank, world, steps, start_step, state_precision, speculation, max_grad_norm, poison,
-                              save_dir, load_dir, global_world)
+                              save_dir, load_dir, global_world, weights)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train_compact(rank, world, steps, start_step, state_precision, speculation, max_grad_norm, poison, save_dir,
-                   load_dir, global_world) -> dict:
+                   load_dir, global_world, weights) -> dict:
     from superoffload_hf import SuperOffloadAdamW
     from superoffload_hf.engine import shard_checkpoint
 
@@ -409,11 +413,12 @@ def _train_compact(rank, world, steps, start_step, state_precision, speculation,
         model.load_state_dict(torch.load(f"{load_dir}/model.pt", weights_only=True))
     micro = 1 if world > 1 else global_world
     cfg = engine_config(device_dtype="bf16", state_precision=state_precision, speculation=speculation,
-                        gradient_accumulation_steps=micro, device_buckets=0)
+                        gradient_accumulation_steps=micro, device_buckets=0, weights=weights)
     notices = _LogLines("converted")
     package_logger = logging.getLogger("superoffload_hf")
     package_logger.addHandler(notices)
-    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, config=cfg)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, config=cfg,
+                            **({"model": model} if weights != "stationary" else {}))
     try:
         if load_dir is not None:
             saved = (shard_checkpoint.read_shards(load_dir) if shard_checkpoint.shard_files(load_dir)
@@ -437,8 +442,9 @@ def _train_compact(rank, world, steps, start_step, state_precision, speculation,
             digests.append(bf16_digest(model))
         state = compact_state(opt, world)
         if save_dir is not None:
+            weights_sd = model.state_dict()  # on every rank: under data parallel weight-flow a gather (collective)
             if rank == 0:  # before save_sharded's barriers: no rank loads it early
-                torch.save(model.state_dict(), f"{save_dir}/model.pt")
+                torch.save(weights_sd, f"{save_dir}/model.pt")
             if world > 1:
                 opt.save_sharded(save_dir)
             else:

@@ -429,9 +429,11 @@ def test_launch_forwards_every_argument_to_the_launcher(monkeypatch):
 def test_summary_reports_tokens_per_second_and_the_counters():
     summary = TrainSummary(steps=10, global_step=13, tokens=40_960, seconds=4.0, first_loss=(4, 7.5),
                            final_loss=(13, 2.25), rollbacks=1, skipped_steps=2, checkpoint="out/checkpoint-13",
-                           resumed_from_step=3, host_state="compact 5.184 B/param")
+                           resumed_from_step=3, host_state="compact 5.184 B/param",
+                           weight_fetches=(2_280, 1_234_000_000))
     text = summary.format()
     assert "host state     compact 5.184 B/param" in text, text
+    assert "weight fetches 2,280 (1.234 GB host to device)" in text, text
     assert summary.tokens_per_second == 10_240.0
     for line in ("resumed from   step 3", "steps          10 (global step 13), 40,960 tokens in 4.0 s",
                  "tokens/s       10,240", "final loss     2.2500 at step 13 (first logged 7.5000 at step 4)",

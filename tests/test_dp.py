@@ -438,3 +438,117 @@ def test_compact_shard_checkpoints_convert_from_and_to_fp32_state_on_load():
         for rank in (0, 1):
             (notice,) = two[name][rank]["notices"]
             assert f"from {saved_as} to {loaded_as}" in notice, notice
+
+
+# ---- weight-flow under data parallelism ------------------------------------------------------------
+#
+# Each rank fetches a unit's buckets whole before its forward and again before its backward: an
+# all-gather of the ranks' shards of the host copy (engine/flow.py, dp.gather_for_flow). Against
+# stationary on the same ranks, every parameter after every step, bitwise: clipping on (every other
+# step rolled back and replayed), an inf gradient on rank 1 at step 2 (the speculated shards rolled
+# back, the step skipped). With `rollback: inverse` a mere rollback leaves the master within its
+# stated bound of the weights before the step: stationary's device keeps those weights (no
+# copy-back), flow fetches the master, so that case is checked against torch (train() does, every
+# step) and not bitwise. Compact state (snapshot rollback, exact) flows its bf16 part.
+FLOW = dict(speculation="on", clip="mild", steps=4, poison_rank=1, poison_steps=(2,), poison_value=float("inf"))
+
+
+def _flow_scenarios(rank, world, save_dir):
+    from _dp_train import train_compact
+
+    def fp32(weights, rollback="snapshot", **kw):
+        return train(rank, world, config={"device_buckets": 0, "weights": weights, "rollback": rollback},
+                     **{**FLOW, **kw})
+
+    out = {"fp32_stationary": fp32("stationary"), "fp32_flow": fp32("flow"),
+           "compact_stationary": train_compact(rank, world, steps=4, **COMPACT),
+           "compact_flow": train_compact(rank, world, steps=4, weights="flow", **COMPACT)}
+    if save_dir is None:  # (the simulated device: the seam, not the variants)
+        return out
+    return {**out, "forward_between": _flow_forward_between_backward_and_step(),
+            "rank0_state_dict": _flow_state_dict_on_rank_0_after_fetch_weights(rank),
+            "fp32_flow_inverse_rollback": fp32("flow", "inverse"),
+            "fp32_flow_saved": fp32("flow", steps=2, save_dir=save_dir),
+            "fp32_flow_resumed": fp32("flow", steps=2, start_step=2, load_dir=save_dir)}
+
+
+def _flow_forward_between_backward_and_step():
+    """An evaluation forward after backward, before step(): its first unit's bucket was stepped
+    speculatively on this rank (no clipping: every bucket speculates). Refused on every rank alike."""
+    import torch
+
+    from superoffload_hf import SuperOffloadAdamW
+    from _dp_train import engine_config, micro_batches, tiny_llama
+
+    model = tiny_llama()
+    with SuperOffloadAdamW(model.parameters(), model=model,
+                           config=engine_config(device_buckets=0, weights="flow", speculation="on")) as opt:
+        batch = micro_batches(0)[0]
+        model(**batch).loss.backward()
+        try:
+            with torch.no_grad():
+                model(**batch)
+        except RuntimeError as error:
+            return str(error)
+        finally:
+            opt.zero_grad()  # the speculative steps undone; the units fetched again at close()
+    return None
+
+
+def _flow_state_dict_on_rank_0_after_fetch_weights(rank):
+    """Saving from rank 0 alone: fetch_weights() on every rank (the gathers), then rank 0's
+    model.state_dict() fetches nothing (no collective that the other rank would not join)."""
+    from superoffload_hf import SuperOffloadAdamW
+    from _dp_train import engine_config, micro_batches, params_digest, tiny_llama
+
+    model = tiny_llama()
+    with SuperOffloadAdamW(model.parameters(), model=model,
+                           config=engine_config(device_buckets=0, weights="flow")) as opt:
+        model(**micro_batches(rank)[0]).loss.backward()
+        opt.step()
+        opt.fetch_weights()
+        fetched = opt.counters.weight_fetches
+        digest = params_digest(model) if rank == 0 else None  # (reads model.state_dict())
+        return {"digest": digest, "fetches_in_state_dict": opt.counters.weight_fetches - fetched}
+
+
+@functools.lru_cache(maxsize=None)
+def flow_results(sim: bool) -> list[dict]:
+    return run_ranks(_flow_scenarios, 2, None if sim else tempfile.mkdtemp(prefix="dp_flow_"), deadline_s=200,
+                     env={"SUPEROFFLOAD_SIM_DEVICE": "1"} if sim else None)
+
+
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "sim"])
+@pytest.mark.parametrize("state", ["fp32", "compact"])
+def test_weight_flow_on_two_ranks_equals_stationary_every_parameter_every_step_bitwise(state, sim):
+    for rank, result in enumerate(flow_results(sim)):
+        want, got = result[f"{state}_stationary"], result[f"{state}_flow"]
+        assert got["digests"] == want["digests"], f"rank {rank} {state}: flow differs from stationary"
+        assert got["skipped"] == want["skipped"] and any(got["skipped"]), got["skipped"]
+        assert got["counters"]["rollbacks"] > 0 and got["counters"]["replays"] > 0, got["counters"]
+        assert "weights flow: 6 units" in got["summary"] and "data parallel rank" in got["summary"]
+        if state == "compact":
+            _assert_same_state(got["state"], want["state"], f"rank {rank}: compact state under flow")
+    assert flow_results(sim)[0][f"{state}_flow"]["digests"] == flow_results(sim)[1][f"{state}_flow"]["digests"]
+
+
+def test_weight_flow_on_two_ranks_with_inverse_rollback_matches_torch_and_the_ranks_agree():
+    per_rank = [r["fp32_flow_inverse_rollback"] for r in flow_results(False)]  # each checked against torch
+    assert per_rank[0]["digests"] == per_rank[1]["digests"] and any(per_rank[0]["skipped"])
+
+
+def test_a_weight_flow_run_on_two_ranks_saved_and_resumed_continues_bit_identically():
+    for result in flow_results(False):
+        assert result["fp32_flow_saved"]["digests"] + result["fp32_flow_resumed"]["digests"] == \
+            result["fp32_flow"]["digests"]
+
+
+def test_a_forward_between_backward_and_step_that_would_read_a_speculated_shard_is_refused_naming_the_fixes():
+    for result in flow_results(False):
+        message = result["forward_between"]
+        assert message is not None and "stepped speculatively" in message and "`speculation: off`" in message, message
+
+
+def test_saving_from_rank_0_alone_after_fetch_weights_on_every_rank_fetches_nothing_there():
+    zero, one = (r["rank0_state_dict"] for r in flow_results(False))
+    assert zero["digest"] is not None and zero["fetches_in_state_dict"] == 0 == one["fetches_in_state_dict"]

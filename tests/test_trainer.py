@@ -143,8 +143,14 @@ def test_weight_flow_under_the_trainer_matches_stock_adamw(tmp_path):
     stock = stock_run(tmp_path, max_grad_norm=LATE)
     offload = train(make_args(tmp_path, "offload", max_grad_norm=LATE,
                               superoffload_config={**SPECULATE, "weights": "flow", "device_buckets": 0}))
-    assert "weights flow: 5 units" in unwrap_optimizer(offload.optimizer).describe()
+    optimizer = unwrap_optimizer(offload.optimizer)
+    assert "weights flow: 5 units" in optimizer.describe()
     assert_same_training(stock, offload)
+    optimizer._engine.flow.release_resident()
+    fetched, calls, fetch_weights = optimizer.counters.weight_fetches, [], optimizer.fetch_weights
+    optimizer.fetch_weights = lambda: calls.append(1) or fetch_weights()
+    offload.save_model(str(tmp_path / "saved"))  # every rank fetches (data parallel: gathers), then rank 0 writes
+    assert calls == [1] and optimizer.counters.weight_fetches == fetched + 5
 
 
 @pytest.mark.slow

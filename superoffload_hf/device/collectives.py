@@ -11,7 +11,8 @@ the *replica groups* (rank j of every shard group) hold identical copies of shar
   gloo without reduce-scatter falls back to an all-reduce of the whole bucket and a slice (twice
   the traffic of a reduce-scatter, and the whole sum on every rank).
 * `all_gather`: the updated shards (the parameters' dtype) into the whole bucket, from the host
-  worker thread.
+  worker thread; `all_gather_training`: the same from the training thread, on the same group
+  (weight-flow's fetch of a unit's buckets, before its forward and again before its backward).
 * `all_reduce_sum`: one float64 scalar (the sum of squares of the rank's shards) over the shard
   group: replicas hold the same shards and must not be counted twice.
 * `all_reduce_mean` (device-resident buckets are replicated, not sharded) and `broadcast`: over
@@ -294,6 +295,16 @@ class Collectives:
         with self._issuing():
             dist.broadcast_object_list(box, src=src, group=self.world_group)
         return box[0]
+
+    def all_gather_training(self, shard_dev: torch.Tensor, flat_dev: torch.Tensor) -> None:
+        """As `all_gather`, from the training thread (weight-flow's fetches), on the gather group:
+        a fetch pairs only with the same fetch on every rank (units in model order), never with a
+        reduce-scatter, whatever gradients a rank lacks; the worker's all-gathers on that group
+        (step()'s copy-backs) are all issued before it (`before_training`)."""
+        import torch.distributed as dist
+
+        with self._issuing():
+            _all_gather(dist)(flat_dev, shard_dev, group=self.gather_group)
 
     # ---- host worker thread ---------------------------------------------------------------
 

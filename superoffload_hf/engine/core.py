@@ -35,7 +35,7 @@ from superoffload_hf.engine.buckets import BucketSet
 from superoffload_hf.engine.collect import Collector
 from superoffload_hf.engine.commit import Committer
 from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_ddp, sharding
-from superoffload_hf.engine.flow import WeightFlow, decide_weights, find_units, plan_flow
+from superoffload_hf.engine.flow import WeightFlow, check_model_given, decide_weights, find_units, plan_flow
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
@@ -93,11 +93,6 @@ class Engine:
                                     inline_host=self.runtime.host_is_device and collectives is None)
         self.dp: Optional[DataParallel] = None  # built below, from the parts it uses
         check_not_ddp(self.params)
-        if collectives is not None and config.weights != "stationary":
-            raise NotImplementedError(
-                f"`weights` is {config.weights!r} under data parallelism ({collectives.world} ranks): weight-flow "
-                "is implemented for one process so far. Use `weights: stationary` with data parallelism, or "
-                "train in one process.")
         if collectives is not None:
             broadcast_params(collectives, self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
@@ -111,6 +106,8 @@ class Engine:
             if flow == "flow" and not self.layout.flow:
                 self.layout.flow = True
                 self.cast = self.layout.resolve_cast(self.transfer)
+        else:  # data parallel: "auto" keeps the weights stationary (one decision for every rank)
+            check_model_given(config.weights, model)
         self.host_threads_note = "set"
         threads = config.host_threads
         placement = host_placement(self.config.host_cores, collectives, numa_node)
@@ -175,6 +172,9 @@ class Engine:
                                    runtime=self.runtime, worker=self.worker, jobs=self.jobs, waiter=self.waiter,
                                    step_state=self.step_state, counters=counters)
             self.jobs.gather = weak_method(self.dp.gather_back)  # weakly: the data-parallel part holds the jobs
+            if self.flow is not None:  # each fetch all-gathers the unit's buckets from the ranks' shards
+                self.dp.flows = self.flow.flows
+                self.flow.gather = weak_method(self.dp.gather_for_flow)
         self.handles: list = []
         self.unhooked: list = []
         # The parts get the collaborators they use, never the engine: no reference cycle, so a
@@ -394,10 +394,10 @@ class Engine:
     def refresh_device_params(self) -> None:
         """Copy every master weight to its device parameter (after loading state: the loader
         synchronized before it wrote the host buffers, and queued nothing since)."""
-        if self.dp is not None:
-            return self.dp.refresh_device_params()
         if self.flow is not None:
             self.flow.release_resident()  # fetched again, from the loaded state, at their next use
+        if self.dp is not None:
+            return self.dp.refresh_device_params()
         self.buckets.refresh_device_params(skip=self.flow.flows if self.flow is not None else lambda p: False)
 
     # ---- waiting, discarding, closing -------------------------------------------------------

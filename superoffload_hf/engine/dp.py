@@ -156,6 +156,7 @@ class DataParallel:
         # the collectives.
         self._gathers_queued = False
         collectives.before_training = weakref.WeakMethod(self._wait_for_queued_gathers)
+        self.flows = lambda p: False  # weight-flow (engine/flow.py): its parameters are gathered at each fetch
 
     def use_collector(self, collector) -> None:
         """The engine's Collector, held weakly (a weakref.proxy would not do: a dead proxy that
@@ -412,6 +413,8 @@ class DataParallel:
                 self.coll.all_gather(src.to(dtype), flat_host)
                 runtime.copy_(flat_dev, flat_host)
             for p, slot in zip(rt.params, rt.bucket.slots):
+                if self.flows(p):
+                    continue  # released between uses: its next fetch gathers the new weights
                 # through .data: the engine's own write leaves p's version to step() (waits.py)
                 runtime.copy_(p.data, BucketBuffers.view(flat_dev, slot).view(p.shape))
                 runtime.record_stream(p.detach(), transfer.h2d)
@@ -419,6 +422,34 @@ class DataParallel:
             done.record(transfer.h2d)
         self.counters.bytes_h2d += src.numel() * src.element_size()
         return done
+
+    def all_flow(self, rt: BucketRuntime) -> bool:
+        """Every parameter of the bucket flows: no copy-back all-gather (the same answer on every rank)."""
+        return all(self.flows(p) for p in rt.params)
+
+    def gather_for_flow(self, rt: BucketRuntime) -> torch.Tensor:
+        """Training thread, on the current stream (weight-flow's): the bucket's weights, whole
+        (padded), from every rank's shard of its copy-back source. A collective (on the gather
+        group, Collectives.all_gather_training): every rank fetches the same units in the same
+        order (the forward's, then the backward's). On gloo a collective blocks until the peers
+        issue it, so the fetches and the reduce-scatters launched during backward must interleave
+        alike on every rank: they do where every rank has the same parameters' gradients (as DDP
+        without `find_unused_parameters`); otherwise the ranks wait for each other until the
+        process group's timeout (never a fetch paired with a reduce-scatter)."""
+        runtime, transfer = self.runtime, self.transfer
+        src = rt.bufs.copy_back_source  # the shard: lowp (cast host), fp32 master, or compact's bf16 part
+        dtype = rt.params[0].dtype
+        if self.coll.backend == "nccl" or not transfer.is_async:
+            flat = runtime.device_empty(rt.shard.padded_numel, dtype)
+            shard_dev = runtime.device_empty(rt.shard.numel, dtype)
+            runtime.copy_(shard_dev, src)  # casts fp32 masters to the parameters' dtype on the way
+            self.coll.all_gather_training(shard_dev, flat)  # NCCL: in stream order
+            return flat
+        # gloo with an asynchronous device (the simulated one): gathered in host memory, which
+        # the fetch's copies read (the copy source is kept alive until they run)
+        flat_host = runtime.host_empty(rt.shard.padded_numel, dtype)
+        self.coll.all_gather_training(src.to(dtype), flat_host)
+        return flat_host
 
     def _gather_buffers(self, dtype: torch.dtype, padded: int, numel: int) -> tuple:
         """Views of this rank's two all-gather buffers (the whole bucket, the rank's shard), one
@@ -456,7 +487,8 @@ class DataParallel:
         self.transfer.wait_host_before_write(rt.h2d_event)
         if rt.bufs.lowp is not None:
             rt.bufs.lowp.copy_(rt.bufs.master)
-        rt.h2d_event = self.gather_back(rt)
+        if not self.all_flow(rt):
+            rt.h2d_event = self.gather_back(rt)
 
     # ---- checkpoints ------------------------------------------------------------------------------
 

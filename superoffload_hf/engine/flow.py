@@ -153,8 +153,11 @@ class WeightFlow:
     waiter (the buckets' host jobs; set once the engine has built it), counters and timeline."""
 
     def __init__(self, plan: FlowPlan, params: list[torch.Tensor], buckets, runtime, transfer, waiter=None,
-                 counters=None, timeline=None):
+                 counters=None, timeline=None, gather=None):
         self.plan, self.buckets, self.runtime, self.waiter = plan, buckets, runtime, waiter
+        # Data parallel (engine/dp.py `gather_for_flow`; set once it is built): a bucket's rank
+        # shards all-gathered into its whole weights, on the current stream: a collective.
+        self.gather = gather
         self.counters = counters  # OffloadCounters: fetched bytes count in bytes_h2d
         self.timeline = timeline  # perf/timeline.py: each fetch on the h2d track (host issue time)
         self.transfer = transfer  # its `omitted` (the mutation tests) also names flow's syncs
@@ -246,20 +249,27 @@ class WeightFlow:
                 self.fetch(self.order[j])
 
     def fetch(self, unit: _Unit) -> None:
-        """Issue the host->device copies of a unit on the flow stream (not waited for here)."""
+        """Issue the host->device copies of a unit on the flow stream (not waited for here).
+        Data parallel: each of its buckets all-gathered from the ranks' shards (a collective:
+        every rank fetches the same units in the same order, see engine/dp.py)."""
         rt = self.runtime
         # The buckets' host jobs have finished writing these weights (a speculatively stepped
         # bucket is rolled back first: a forward before step() reads the weights of before it).
         self.waiter.wait_for_params(unit.params)
+        if self.gather is not None:
+            self._refuse_speculated(unit)
         start = time.perf_counter()
         with torch.no_grad(), rt.on_stream(self.stream):
             if self.last_release is not None and self._keeps("fetch_waits_release"):
                 # the memory the allocator hands out may be a released unit's: its readers first
                 self.stream.wait_event(self.last_release)
-            for p, nbytes in zip(unit.params, unit.nbytes):
-                rt.resize_storage(p, nbytes)  # allocated on the flow stream
-                rt.copy_(p.data, self.source(p))  # (p.data: a version counter of its own)
-                rt.record_stream(p.data, self.stream)
+            if self.gather is None:
+                for p, nbytes in zip(unit.params, unit.nbytes):
+                    rt.resize_storage(p, nbytes)  # allocated on the flow stream
+                    rt.copy_(p.data, self.source(p))  # (p.data: a version counter of its own)
+                    rt.record_stream(p.data, self.stream)
+            else:
+                self._gather_unit(unit)
             done = rt.new_event()
             done.record(self.stream)
         unit.fetched, unit.resident = done, True
@@ -270,11 +280,46 @@ class WeightFlow:
         self.bytes_fetched += moved
         if self.counters is not None:
             self.counters.bytes_h2d += moved
+            self.counters.weight_fetches += 1
+            self.counters.bytes_fetched += moved
         if self.timeline is not None:
             from superoffload_hf.perf.timeline import H2D
 
             self.timeline.span(H2D, f"fetch {unit.spec.name}", start, time.perf_counter(), bytes=moved,
                                clock="host (issue)")
+
+    def _buckets_of(self, unit: _Unit) -> list:
+        """The bucket runtimes holding the unit's parameters, in bucket order (the same on every rank)."""
+        rts = {id(self.buckets.runtime_of[p]): self.buckets.runtime_of[p] for p in unit.params}
+        return sorted(rts.values(), key=lambda r: r.bucket.index)
+
+    def _gather_unit(self, unit: _Unit) -> None:
+        """On the flow stream: each of the unit's buckets gathered whole (a bucket shared with the
+        next unit is gathered for each), the unit's parameters copied out of it."""
+        rt = self.runtime
+        nbytes_of = {id(p): nbytes for p, nbytes in zip(unit.params, unit.nbytes)}  # (by id: never compare tensors)
+        for bucket_rt in self._buckets_of(unit):
+            flat = self.gather(bucket_rt)  # every rank's shard; a collective
+            for p, slot in zip(bucket_rt.params, bucket_rt.bucket.slots):
+                if id(p) not in nbytes_of:
+                    continue
+                rt.resize_storage(p, nbytes_of[id(p)])  # allocated on the flow stream
+                rt.copy_(p.data, flat[slot.offset:slot.offset + slot.numel].view(p.shape))
+                rt.record_stream(p.data, self.stream)
+
+    def _refuse_speculated(self, unit: _Unit) -> None:
+        """Data parallel: a speculatively stepped shard cannot be re-opened (its gradient has left
+        the rank), and a forward between backward and step() must read the weights of before it."""
+        for bucket_rt in self._buckets_of(unit):
+            if bucket_rt.launched:
+                self.waiter.wait_idle(bucket_rt)
+                if bucket_rt.spec is not None:
+                    raise RuntimeError(
+                        f"A forward between backward and step() fetched unit {unit.spec.name}, whose bucket "
+                        f"{bucket_rt.bucket.index} this rank has already stepped speculatively: under data "
+                        "parallelism with `weights: flow` its weights before the step are no longer on the host. "
+                        "Run the forward after step() (or before backward), set `speculation: off`, or use "
+                        "`weights: stationary`.")
 
     def source(self, p: torch.Tensor) -> torch.Tensor:
         from superoffload_hf.engine.buffers import BucketBuffers
@@ -305,7 +350,8 @@ class WeightFlow:
         as host tensors, which the caller should say. Returns "device" or "host"."""
         away = [u for u in self.units if not u.resident]
         need = sum(sum(u.nbytes) for u in away)
-        if need <= self.runtime.memory_info()[0]:
+        # data parallel: only a gather has the whole weights, and every rank must issue it
+        if self.gather is not None or need <= self.runtime.memory_info()[0]:
             for unit in away:
                 self.ensure(unit)
             return "device"
@@ -382,8 +428,12 @@ def decide_weights(choice: str, plan, stationary_policy, runtime, model) -> str:
         choice = choose_weights(choice, weight_bytes, buffer_bytes, free, total)
     elif choice == "auto":
         choice = "stationary"  # the device is the host: nothing to free
+    check_model_given(choice, model)
+    return choice
+
+
+def check_model_given(choice: str, model) -> None:
     if choice == "flow" and model is None:
         raise ValueError("`weights` is \"flow\" (or \"auto\" chose it) but the optimizer was not given the model: "
                          "weight-flow hooks the model's blocks. Pass `model=model` to SuperOffloadAdamW (the "
                          "Trainer and Accelerate integrations do), or set `weights: stationary`.")
-    return choice

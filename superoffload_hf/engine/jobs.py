@@ -131,6 +131,8 @@ class HostJobs:
 
     def copy_back(self, rt: BucketRuntime, call: StepCall) -> None:
         if self.gather is not None:
+            if all(self.flows(p) for p in rt.params):
+                return  # weight-flow: every rank's next fetch gathers them (no all-gather here on any rank)
             start = time.perf_counter()
             rt.h2d_event = self.gather(rt)
             self.timeline.span(H2D, f"all-gather b{rt.bucket.index}", start, time.perf_counter(),

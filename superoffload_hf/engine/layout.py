@@ -163,7 +163,7 @@ class LayoutBuilder:
     # ---- dtypes and buffers ---------------------------------------------------------------
 
     def resolve_cast(self, transfer) -> str:
-        if self.flow and self.dtype != torch.float32:
+        if self.flow and self.dtype != torch.float32 and not self.compact:  # (compact: its bf16 part flows)
             if self.config.cast == "device":
                 raise ValueError(
                     f"`weights: flow` with `cast: device` and `device_dtype: {self.config.device_dtype}`: weight-flow "

@@ -28,6 +28,7 @@ from transformers import Trainer as HFTrainer
 from transformers import TrainingArguments as HFTrainingArguments
 
 from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
+from superoffload_hf.integrations.callback import unwrap_optimizer
 from superoffload_hf.integrations.checkpoint_save import save_checkpoint_keeping_previous
 from superoffload_hf.integrations.launch_env import launch_plugin
 from superoffload_hf.integrations.trainer_hooks import (
@@ -151,6 +152,14 @@ class Trainer(HFTrainer):
         return save_checkpoint_keeping_previous(lambda: super(Trainer, self)._save_checkpoint(model, trial),
                                                 Path(self.args.output_dir), self.state.global_step,
                                                 single_writer=self.args.world_size == 1)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        # called on every rank (it writes from the main process only): under data-parallel
+        # weight-flow the weights are gathered here, on every rank, before rank 0 reads them
+        optimizer = unwrap_optimizer(self.optimizer) if self.superoffload is not None else None
+        if optimizer is not None and hasattr(optimizer, "fetch_weights"):
+            optimizer.fetch_weights()
+        return super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.superoffload is None:
