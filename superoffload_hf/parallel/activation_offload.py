@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -193,6 +194,7 @@ class ActivationOffload:
         self._recent: list[_Saved] = []  # saved since the last block began (earlier transformers)
         self._saves_before_pre_hook: Optional[bool] = None  # which of the two orders this transformers has
         self._to_release: list[_Saved] = []  # offloaded, device copy still held
+        self._warned = False
         self._handles = [model.register_forward_pre_hook(self._model_begins),
                          model.register_forward_hook(self._model_ends, always_call=True)]
         for index, block in enumerate(self.blocks):
@@ -221,6 +223,14 @@ class ActivationOffload:
         self._expected, self._recent = [], []
         scope, self._scope = self._scope, None
         scope.__exit__(None, None, None)
+        checkpointing = any(getattr(b, "gradient_checkpointing", False) for b in self.blocks)
+        if checkpointing and self.decision is not None and self.decision.on and not self._peers and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "activation offload found no checkpointed block input among the tensors this training forward "
+                "saved, so nothing was offloaded (with a transformers that checkpoints `__call__`, "
+                "use_reentrant=True runs a block's hooks without grad). Enable gradient checkpointing with "
+                "gradient_checkpointing_kwargs={\"use_reentrant\": False}.", stacklevel=2)
 
     def _block_begins(self, index: int, module, args, kwargs) -> None:
         if self._scope is None or in_backward():  # (earlier transformers: a recomputation runs it again)
