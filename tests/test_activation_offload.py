@@ -20,6 +20,8 @@ from superoffload_hf.testing.sim import SimRaceError, SimRuntime, on_device
 from _models import engine_config, micro_batches, read_params, tiny_llama  # noqa: F401
 
 pytestmark = [pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning"),
+              pytest.mark.filterwarnings("ignore:`gradient_checkpointing_kwargs` is deprecated:FutureWarning"),
+              pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
               pytest.mark.timeout(180)]
 
 STEPS, LR = 3, 1e-2
@@ -271,3 +273,59 @@ def test_the_earlier_checkpoint_order_offloads_the_same_inputs_with_the_same_num
         assert offload._saves_before_pre_hook is True and offload.bytes_fetched == STEPS * 3 * INPUT_BYTES
     assert not sim.errors, sim.errors
     _assert_same((losses, {n.removeprefix("llama."): v for n, v in params.items()}), stock_expected, "earlier order")
+
+
+# ---- config and the Trainer ----------------------------------------------------------------------
+
+
+def test_the_config_field_takes_auto_on_off_and_names_the_choices():
+    from superoffload_hf.config import ConfigError, SuperOffloadConfig
+
+    assert SuperOffloadConfig().activation_offload == "auto"
+    assert SuperOffloadConfig(activation_offload="on").activation_offload == "on"
+    with pytest.raises(ConfigError, match=r"`activation_offload` is 'yes'; valid choices are \['auto', 'on', 'off'\]"):
+        SuperOffloadConfig(activation_offload="yes")
+
+
+def _trainer_run(tmp_path, choice: str, gradient_checkpointing: bool = True, steps: int = 3):
+    from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
+
+    batches = [{k: v[0] for k, v in micro_batches(i, batch=1)[0].items()} for i in range(4 * steps)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / choice), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
+        data_seed=0, gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, superoffload=True,
+        superoffload_config={"host_kernel": "reference", "activation_offload": choice})
+    trainer = Trainer(model=tiny_llama(num_layers=4), args=args, train_dataset=batches)
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    return trainer, losses, {n: p.detach().clone() for n, p in read_params(trainer.model).items()}
+
+
+@pytest.mark.sim
+def test_the_trainer_applies_activation_offload_on_and_trains_the_same_weights(tmp_path, sim):
+    on, on_losses, on_params = _trainer_run(tmp_path, "on")
+    hooks = on.superoffload.activation_offload
+    assert hooks is not None and hooks.bytes_fetched > 0 and hooks.pinned_bytes == 3 * 4 * 16 * 32 * 4
+    off, off_losses, off_params = _trainer_run(tmp_path, "off")
+    assert off.superoffload.activation_offload is None
+    assert not sim.errors, sim.errors
+    assert on_losses == off_losses
+    for name, value in off_params.items():
+        assert torch.equal(on_params[name], value), name
+
+
+def test_the_trainer_on_the_cpu_device_states_that_on_is_a_no_op(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(SIM_ENV_VAR, raising=False)
+    with caplog.at_level("INFO", logger="superoffload_hf.integrations.trainer"):
+        trainer, _, _ = _trainer_run(tmp_path, "on", steps=1)
+    assert trainer.superoffload.activation_offload is None
+    assert "activation offload on: not applied, the device is the host" in caplog.text
+
+
+@pytest.mark.sim
+def test_on_without_gradient_checkpointing_is_refused_naming_the_fix(tmp_path, sim):
+    with pytest.raises(ValueError, match=r"`activation_offload` is \"on\" but gradient checkpointing is off.*"
+                                         r"`gradient_checkpointing=True`"):
+        _trainer_run(tmp_path, "on", gradient_checkpointing=False, steps=1)

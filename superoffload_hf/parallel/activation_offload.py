@@ -392,3 +392,26 @@ def apply_activation_offload(model: torch.nn.Module, runtime=None, mode: str = "
     them as a context manager. On the CPU device "on" copies to host memory and back for nothing
     but the same numbers (the config's `activation_offload` does not apply it there)."""
     return ActivationOffload(model, runtime, mode, depth, omitted)
+
+
+def offload_for_config(model: torch.nn.Module, choice: str, gradient_checkpointing: bool,
+                       runtime=None) -> tuple[Optional[ActivationOffload], str]:
+    """The config's `activation_offload` (`choice`) for a run: the hooks on `model` (None: not
+    applied) and the line that says what was decided and why."""
+    if choice == "off":
+        return None, "activation offload off"
+    if runtime is None:
+        from superoffload_hf.device import make_runtime
+
+        runtime = make_runtime(next(model.parameters()).device)
+    if runtime.host_is_device:
+        return None, f"activation offload {choice}: not applied, the device is the host (nothing to free)"
+    if not gradient_checkpointing:
+        if choice == "on":
+            raise ValueError(
+                "`activation_offload` is \"on\" but gradient checkpointing is off: the offload moves the block "
+                "inputs that gradient checkpointing keeps. Set `gradient_checkpointing=True` (TrainingArguments, "
+                "or the recipe's `training` block), or `activation_offload: auto` / `off`.")
+        return None, "activation offload auto: off, gradient checkpointing is off"
+    hooks = ActivationOffload(model, runtime, mode=choice)
+    return hooks, hooks.describe()
