@@ -329,3 +329,23 @@ def test_on_without_gradient_checkpointing_is_refused_naming_the_fix(tmp_path, s
     with pytest.raises(ValueError, match=r"`activation_offload` is \"on\" but gradient checkpointing is off.*"
                                          r"`gradient_checkpointing=True`"):
         _trainer_run(tmp_path, "on", gradient_checkpointing=False, steps=1)
+
+
+def test_the_dry_run_line_states_the_inputs_the_pinned_bytes_and_the_decision():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from superoffload_hf.parallel.activation_offload import dry_run_line
+
+    llama8b = LlamaConfig(num_hidden_layers=32, hidden_size=4096)  # (only the shape is read)
+    recipe = SimpleNamespace(training={"per_device_train_batch_size": 1, "gradient_checkpointing": True},
+                             data=SimpleNamespace(seq_len=512 * 1024))
+    line = dry_run_line(recipe, llama8b, "auto", 2, device_is_host=False)
+    assert line == ("  activation offload auto; checkpointed block inputs 137.439 GB on the device (32 x 4.295 GB at "
+                    "524288 tokens a micro-batch), offloaded 133.144 GB pinned host - auto: on if the device has less "
+                    "than 549.756 GB free at the first training forward (they would take over 25% of it)")
+    assert dry_run_line(recipe, llama8b, "on", 2, device_is_host=True).endswith(" - not applied, the device is the host")
+    recipe.training["gradient_checkpointing"] = False
+    assert dry_run_line(recipe, llama8b, "on", 2, device_is_host=False).endswith(
+        " - refused: it needs `training.gradient_checkpointing: true`")

@@ -415,3 +415,26 @@ def offload_for_config(model: torch.nn.Module, choice: str, gradient_checkpointi
         return None, "activation offload auto: off, gradient checkpointing is off"
     hooks = ActivationOffload(model, runtime, mode=choice)
     return hooks, hooks.describe()
+
+
+def dry_run_line(recipe, model_config, choice: str, element_bytes: int, device_is_host: bool) -> str:
+    """`superoffload train --dry-run`: what the checkpointed block inputs of one micro-batch take
+    on the device, what offloading them takes in pinned host memory, and what `choice` does."""
+    t = recipe.training
+    layers, hidden = int(model_config.num_hidden_layers), int(model_config.hidden_size)
+    tokens = int(t.get("per_device_train_batch_size", 8)) * int(recipe.data.seq_len)  # (the Trainer's default 8)
+    per_block = tokens * hidden * element_bytes
+    head = (f"  activation offload {choice}; checkpointed block inputs {layers * per_block / 1e9:.3f} GB on the "
+            f"device ({layers} x {per_block / 1e9:.3f} GB at {tokens} tokens a micro-batch), offloaded "
+            f"{(layers - 1) * per_block / 1e9:.3f} GB pinned host")
+    if choice == "off":
+        return head + " - off"
+    if device_is_host:
+        return head + " - not applied, the device is the host"
+    if not (t.get("activation_checkpointing") or t.get("gradient_checkpointing")):
+        return head + (" - refused: it needs `training.gradient_checkpointing: true`" if choice == "on"
+                       else " - off, gradient checkpointing is off")
+    if choice == "on":
+        return head + " - on"
+    return head + (f" - auto: on if the device has less than {layers * per_block / AUTO_SHARE / 1e9:.3f} GB free at "
+                   f"the first training forward (they would take over {AUTO_SHARE:.0%} of it)")
