@@ -349,3 +349,54 @@ def test_the_dry_run_line_states_the_inputs_the_pinned_bytes_and_the_decision():
     recipe.training["gradient_checkpointing"] = False
     assert dry_run_line(recipe, llama8b, "on", 2, device_is_host=False).endswith(
         " - refused: it needs `training.gradient_checkpointing: true`")
+
+
+# ---- the simulator's booked activations (SimRuntime.adopt_activation) -----------------------------
+
+
+def _booked_copy(sim, wait_compute: bool):
+    activation = torch.ones(256)
+    sim.adopt_activation(activation)
+    host = sim.host_empty(256, torch.float32, pinned=True)
+    side = sim.new_stream()
+    ready = sim.new_event()
+    ready.record(sim.compute)
+    with sim.on_stream(side):
+        if wait_compute:
+            side.wait_event(ready)
+        sim.copy_(host, activation)
+        copied = sim.new_event()
+        copied.record(side)
+    return activation, host, copied
+
+
+def test_a_booked_activation_counts_as_device_memory_until_its_object_goes():
+    sim = SimRuntime()
+    activation = torch.ones(256)
+    sim.adopt_activation(activation)
+    sim.adopt_activation(activation)  # (once)
+    assert sim.memory_allocated() == 1024
+    del activation
+    assert sim.memory_allocated() == 0 and sim.max_memory_allocated() == 1024
+
+
+def test_a_booked_activation_freed_after_the_compute_stream_waited_for_its_copy_needs_no_record_stream():
+    sim = SimRuntime()
+    activation, host, copied = _booked_copy(sim, wait_compute=True)
+    sim.compute.wait_event(copied)
+    del activation
+    assert sim.memory_allocated() == 0 and torch.equal(host, torch.ones(256)) and not sim.errors
+
+
+def test_a_booked_activation_freed_while_its_copy_has_not_run_is_reported():
+    sim = SimRuntime()
+    activation, host, copied = _booked_copy(sim, wait_compute=True)
+    del activation
+    with pytest.raises(SimRaceError, match=r"activation \(device\) \(256,\) float32 freed while side stream 1 still"):
+        sim.memory_allocated()
+
+
+def test_a_side_stream_reading_a_booked_activation_before_waiting_for_the_compute_stream_is_reported():
+    sim = SimRuntime()
+    with pytest.raises(SimRaceError, match=r"reads device tensor \(256,\) float32 written on the compute stream"):
+        _booked_copy(sim, wait_compute=False)
