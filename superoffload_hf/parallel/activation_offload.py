@@ -199,8 +199,7 @@ class ActivationOffload:
                          model.register_forward_hook(self._model_ends, always_call=True)]
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(
-                lambda module, args, kwargs, index=index: self._block_begins(index, module, args, kwargs),
-                with_kwargs=True))
+                lambda module, args, index=index: self._block_begins(index, module, args)))
 
     def _keeps(self, sync: str) -> bool:
         return sync not in self.omitted
@@ -232,14 +231,16 @@ class ActivationOffload:
                 "use_reentrant=True runs a block's hooks without grad). Enable gradient checkpointing with "
                 "gradient_checkpointing_kwargs={\"use_reentrant\": False}.", stacklevel=2)
 
-    def _block_begins(self, index: int, module, args, kwargs) -> None:
+    def _block_begins(self, index: int, module, args) -> None:
         if self._scope is None or in_backward():  # (earlier transformers: a recomputation runs it again)
             return
         self._release_offloaded()
         recent, self._recent = self._recent, []
         if not (getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()):
             return
-        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        # what the checkpoint saves: the positional tensors (transformers binds the keyword ones,
+        # masks and position embeddings, into the checkpointed function)
+        inputs = [t for t in args if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if self.decision is None:
             self.decision = self._decide(inputs)
         if not self.decision.on:
