@@ -400,3 +400,19 @@ def test_a_side_stream_reading_a_booked_activation_before_waiting_for_the_comput
     sim = SimRuntime()
     with pytest.raises(SimRaceError, match=r"reads device tensor \(256,\) float32 written on the compute stream"):
         _booked_copy(sim, wait_compute=False)
+
+
+def test_a_dropped_model_frees_its_offload_hooks_without_the_cyclic_collector():
+    import gc
+    import weakref
+
+    model = _checkpointed(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    hooks = weakref.ref(apply_activation_offload(model, CpuRuntime()))
+    _train(model, opt, steps=1)
+    gc.disable()
+    try:
+        del model, opt
+        assert hooks() is None, gc.get_referrers(hooks())
+    finally:
+        gc.enable()

@@ -173,8 +173,8 @@ class ActivationOffload:
         unknown = sorted(set(omitted) - set(SYNCS))
         if unknown:
             raise ValueError(f"Unknown synchronisation(s) {unknown}; activation offload has {list(SYNCS)}.")
-        self.blocks = checkpointed_blocks(model)
-        if not self.blocks:
+        blocks = checkpointed_blocks(model)
+        if not blocks:
             raise ValueError(
                 f"{type(model).__name__} has no transformers GradientCheckpointingLayer blocks: activation offload "
                 "moves the inputs that gradient checkpointing keeps of each decoder block. Use a transformers "
@@ -183,6 +183,8 @@ class ActivationOffload:
             from superoffload_hf.device import make_runtime
 
             runtime = make_runtime(next(model.parameters()).device)
+        # weakly: the model holds these hooks (a cycle would outlive the model until the collector runs)
+        self._blocks = [weakref.ref(b) for b in blocks]
         self.runtime, self.depth, self.omitted = runtime, depth, frozenset(omitted)
         self.decision: Optional[Decision] = Decision(True, "on") if mode == "on" else None
         self.d2h, self.h2d = runtime.new_stream(), runtime.new_stream()
@@ -197,9 +199,13 @@ class ActivationOffload:
         self._warned = False
         self._handles = [model.register_forward_pre_hook(self._model_begins),
                          model.register_forward_hook(self._model_ends, always_call=True)]
-        for index, block in enumerate(self.blocks):
+        for index, block in enumerate(blocks):
             self._handles.append(block.register_forward_pre_hook(
                 lambda module, args, index=index: self._block_begins(index, module, args)))
+
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        return [b for b in (ref() for ref in self._blocks) if b is not None]
 
     def _keeps(self, sync: str) -> bool:
         return sync not in self.omitted
