@@ -43,6 +43,7 @@ back once the saved input that held it is gone and no prefetch of it is in fligh
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import warnings
@@ -59,6 +60,8 @@ SYNCS = (
     "prefetch_record_stream",    # a prefetched buffer freed unread is not reused while h2d writes it
     "recompute_waits_prefetch",  # the recomputation reads the input after its h2d copy
 )
+
+logger = logging.getLogger("superoffload_hf.parallel.activation_offload")
 
 DEFAULT_DEPTH = 1  # block inputs prefetched ahead of the recomputation that reads one
 # "auto": offload when the checkpointed blocks' inputs, all together, exceed this share of the
@@ -249,6 +252,7 @@ class ActivationOffload:
         inputs = [t for t in args if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if self.decision is None:
             self.decision = self._decide(inputs)
+            logger.info("superoffload: %s", self.decision.describe())  # what "auto" decided, once
         if not self.decision.on:
             return
         keep = not any(getattr(b, "gradient_checkpointing", False) for b in self.blocks[index + 1:])
