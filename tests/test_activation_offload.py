@@ -416,3 +416,22 @@ def test_a_dropped_model_frees_its_offload_hooks_without_the_cyclic_collector():
         assert hooks() is None, gc.get_referrers(hooks())
     finally:
         gc.enable()
+
+
+@pytest.mark.sim
+def test_a_retained_graph_backward_twice_fetches_the_inputs_again_with_the_same_gradients():
+    def grads(runtime):
+        model = _checkpointed()
+        hooks = apply_activation_offload(model, runtime) if runtime is not None else None
+        loss = model(**micro_batches(0)[0]).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        if hooks is not None:
+            assert hooks.bytes_fetched == 2 * 3 * INPUT_BYTES
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    sim = SimRuntime()
+    want, got = grads(None), grads(sim)
+    assert not sim.errors, sim.errors
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
