@@ -23,6 +23,7 @@ PIN_METHOD_CHOICES = (AUTO, "alloc", "register")
 HOST_KERNEL_CHOICES = ("auto", "cpp", "reference")
 STATE_PRECISION_CHOICES = ("fp32", "compact", "compact32")
 WEIGHTS_CHOICES = ("stationary", "flow", "auto")
+ACTIVATION_OFFLOAD_CHOICES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -98,6 +99,18 @@ class SuperOffloadConfig:
     `model.state_dict()` together). "auto": flow when the weights and the engine's device
     buffers do not fit in the free device memory, else stationary (under data parallelism:
     stationary). `device_dtype` fp32 or bf16 (docs/weight-flow.md)."""
+
+    activation_offload: str = AUTO
+    """Under gradient checkpointing each decoder block keeps its input for the backward (at long
+    sequences the device's largest cost). "on": copy each checkpointed block's input to pinned
+    host memory on a side stream as the forward produces it, free its device copy, and bring it
+    back one block ahead of its recomputation (superoffload_hf/parallel/activation_offload.py;
+    the same numbers, bitwise). "off". "auto": on when, at the first training forward, the
+    checkpointed blocks' inputs together exceed a quarter of the free device memory. Never on the
+    CPU device, where the host is the device: "on" is a no-op there, said in the log. Needs
+    gradient checkpointing (`gradient_checkpointing=True`): "on" without it is refused, "auto"
+    stays off. Applied by the Trainer integration; plain loops call
+    `apply_activation_offload(model)`."""
 
     host_threads: Union[int, str] = AUTO
     """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on
@@ -198,6 +211,7 @@ class SuperOffloadConfig:
                 f"`weights` is {self.weights!r} with `device_dtype: fp16`: weight-flow is implemented and "
                 "tested for fp32 and bf16 device weights. Use `device_dtype: bf16` (or fp32), or "
                 "`weights: stationary`.")
+        _check_choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOAD_CHOICES)
         _check_auto_or_int("host_threads", self.host_threads, minimum=1)
         if self.host_cores is not None:
             cores = self.host_cores

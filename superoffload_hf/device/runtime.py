@@ -26,6 +26,10 @@ A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
                                    in (torch's `pinned_use_cuda_host_register`), else by
                                    cudaHostAlloc; False where the runtime has no such choice
     adopt(params)                  the parameters the engine manages live on this device
+    adopt_activation(tensor)       a tensor the compute stream's kernels produced (an activation
+                                   its owner will copy on a side stream and free after an event
+                                   wait, not record_stream): nothing on a real device (it is
+                                   device memory already); the simulated device books it
     current_stream() -> Stream     this thread's current stream
     new_stream() -> Stream
     new_event(timing=False) -> Event  event.record(stream) / .synchronize() / .query() /

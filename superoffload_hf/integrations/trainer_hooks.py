@@ -58,6 +58,7 @@ class SuperOffloadHooks:
         self._trainer = weakref.ref(trainer)
         self.plugin = plugin
         self.callback = SuperOffloadCallback()
+        self.activation_offload = None  # config `activation_offload`: its hooks, once the optimizer is built
         insert_after_flow_callback(trainer.callback_handler.callbacks, self.callback)
         shorten_printed_logs(trainer.callback_handler.callbacks)  # the superoffload/* keys stay in the records
 
@@ -137,7 +138,19 @@ class SuperOffloadHooks:
                     "max_grad_norm %s, device dtype %s", type(optimizer).__name__,
                     [(g["weight_decay"], len(g["params"])) for g in groups], max_grad_norm(args),
                     config.device_dtype)
+        checkpointing = getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing  # (5.24's name)
+        self.apply_activation_offload(model, config.activation_offload, bool(checkpointing))
         return wrap_optimizer(trainer.accelerator, optimizer, config.device_dtype)
+
+    def apply_activation_offload(self, model, choice: str, gradient_checkpointing: bool) -> None:
+        """Config `activation_offload`: hooks on the model the optimizer trains (parallel/activation_offload.py),
+        replacing those of an earlier optimizer."""
+        from superoffload_hf.parallel.activation_offload import offload_for_config
+
+        if self.activation_offload is not None:
+            self.activation_offload.remove()
+        self.activation_offload, line = offload_for_config(model, choice, gradient_checkpointing)
+        logger.info("superoffload: %s", line)
 
     def save_optimizer_and_scheduler(self, original, output_dir: str) -> None:
         """Data parallel: every rank writes its shard of the optimizer state (the stock Trainer

@@ -18,6 +18,8 @@ missing synchronisation fails every time (DESIGN.md section 7):
   than its allocation stream needs `record_stream(tensor, stream)` by the time the use runs
   (CUDA only needs it before the tensor is freed; a synchronous copy needs none), and a device
   buffer freed while another stream has unrun work on it without one is an error.
+  An activation booked by `adopt_activation` (a tensor the compute stream produced, whose owner
+  frees it after an event wait instead) needs no record_stream at its use; its free is checked.
 * A side-stream copy into an adopted parameter that the compute stream has not waited for (it
   has not run) makes any op of the main thread that reads or writes that parameter's storage an
   error naming the op (a dispatch mode, pushed on the main thread only while such copies are
@@ -126,11 +128,25 @@ class _DeviceBuffer:
 
 
 class _Allocation(_DeviceBuffer):
+    records_at_use = True  # a use on another stream needs record_stream by the time it runs
+
     def __init__(self, tensor: torch.Tensor, alloc_stream: "SimStream"):
         super().__init__(tensor, alloc_stream)
         self.key = _storage_key(tensor)
         self.nbytes = tensor.numel() * tensor.element_size()
         self.label = _describe(tensor, "device buffer")
+
+
+class _Activation(_Allocation):
+    """A tensor the compute stream produced (adopt_activation): its owner frees it after the
+    compute stream waited for the side stream's use, so a use needs no record_stream; a free
+    while that use has not run is still an error (_settle)."""
+
+    records_at_use = False
+
+    def __init__(self, tensor: torch.Tensor, alloc_stream: "SimStream"):
+        super().__init__(tensor, alloc_stream)
+        self.label = _describe(tensor, "activation (device)")
 
 
 class _Param(_DeviceBuffer):
@@ -581,6 +597,26 @@ class SimRuntime:
                 weakref.finalize(self, self._hook.remove)
                 _install_backward(self)
 
+    def adopt_activation(self, tensor: torch.Tensor) -> None:
+        """`tensor`, which the compute stream's kernels just wrote (an activation of the model's
+        forward), is device memory from now until its Python object goes: counted in device
+        memory, written at this point of the compute clock (a side stream reading it must have
+        waited for a later compute event), and checked when freed like any device buffer. Its
+        owner orders the free by an event wait rather than record_stream (activation_offload.py),
+        so a side-stream use needs no record_stream. Booking a storage twice does nothing."""
+        with self._lock:
+            self._settle()
+            key = _storage_key(tensor)
+            if not tensor.numel() or key in self._allocations:
+                return
+            record = _Activation(tensor, self.compute)
+            record.last_write = self.compute_clock
+            self.device_memory.admit(record.nbytes, record.label)
+            self._allocations[key] = record
+            self._live_bytes += record.nbytes
+            self._count()
+        weakref.finalize(tensor, self._freed.append, record)
+
     def current_stream(self) -> SimStream:
         return self._threads.stream or self.compute
 
@@ -961,7 +997,8 @@ class SimRuntime:
     def _missing_records(self, uses, stream: SimStream, label: str) -> list[str]:
         problems = []
         for buf, key in uses:
-            if buf.alloc_stream is not stream and (key, stream) not in buf.recorded:
+            if buf.alloc_stream is not stream and (key, stream) not in buf.recorded and getattr(
+                    buf, "records_at_use", True):
                 t = buf.ref()
                 name = self._label(t, buf) if t is not None else getattr(buf, "label", "a device tensor")
                 problems.append(f"{name} used on {stream.label} ({label}) without record_stream: if it were "

@@ -24,7 +24,9 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
 
     from superoffload_hf.config import SuperOffloadConfig
     from superoffload_hf.engine.layout import estimate_layout
+    from superoffload_hf.engine.layout import DTYPES
     from superoffload_hf.engine.memory import footprint, format_footprint
+    from superoffload_hf.parallel.activation_offload import dry_run_line as activation_offload_line
 
     model_config, shipped = _model_config(recipe)
     if model_config is None:
@@ -66,6 +68,8 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
         lines.append(f"  on {HOST_SIZES[0][1]}: speculates {on_128.speculated_buckets} of {on_128.host_buckets} "
                      f"host buckets ({on_128.reason})")
     lines.append(weights_line(model, params, config))
+    lines.append(activation_offload_line(recipe, model_config, config.activation_offload,
+                                         DTYPES[config.device_dtype].itemsize, not accelerator))
     lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))

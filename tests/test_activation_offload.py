@@ -1,0 +1,437 @@
+"""Activation offload (superoffload_hf/parallel/activation_offload.py): the same numbers as without
+it, bitwise, on the CPU device and on the simulated device (stock AdamW and the engine, weights
+stationary and flowing); a simulated device peak that no longer grows with the number of blocks;
+the mutation tests of its synchronisations; "auto"; the earlier transformers' checkpoint order."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from superoffload_hf import SuperOffloadAdamW
+from superoffload_hf.device import SIM_ENV_VAR
+from superoffload_hf.device.cpu import CpuRuntime
+from superoffload_hf.parallel.activation_offload import (
+    AUTO_SHARE, SYNCS, ActivationOffload, apply_activation_offload, decide_auto, in_backward)
+from superoffload_hf.testing.sim import SimRaceError, SimRuntime, on_device
+
+from _models import engine_config, micro_batches, read_params, tiny_llama  # noqa: F401
+
+pytestmark = [pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning"),
+              pytest.mark.filterwarnings("ignore:`gradient_checkpointing_kwargs` is deprecated:FutureWarning"),
+              pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
+              pytest.mark.timeout(180)]
+
+STEPS, LR = 3, 1e-2
+INPUT_BYTES = 2 * 16 * 32 * 4  # one block's input: batch 2, sequence 16, hidden 32, fp32
+
+
+def _checkpointed(num_layers: int = 4, reentrant: bool = False):
+    model = tiny_llama(num_layers=num_layers)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    return model
+
+
+def _train(model, opt, steps: int = STEPS) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    losses = []
+    for step in range(steps):
+        (batch,) = micro_batches(step)
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    return losses, {name: p.detach().clone() for name, p in read_params(model).items()}
+
+
+def _stock(offload_runtime=None, num_layers: int = 4, omitted=(), steps: int = STEPS, reentrant: bool = False):
+    """Stock AdamW; with `offload_runtime`, the block inputs offloaded over it."""
+    model = _checkpointed(num_layers, reentrant)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    if offload_runtime is None:
+        return _train(model, opt, steps)
+    with apply_activation_offload(model, offload_runtime, omitted=omitted) as offload:
+        got = _train(model, opt, steps)
+        assert offload.bytes_offloaded == offload.bytes_fetched == steps * (num_layers - 1) * INPUT_BYTES
+    return got
+
+
+def _engine(offload: bool, weights: str = "stationary"):
+    model = _checkpointed()
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
+                            config=engine_config(device_buckets=0, weights=weights, speculation="on"))
+    with opt:
+        if not offload:
+            return _train(model, opt)
+        with apply_activation_offload(model) as hooks:  # the runtime of the model's device
+            got = _train(model, opt)
+            assert hooks.bytes_fetched == STEPS * 3 * INPUT_BYTES
+        return got
+
+
+def _assert_same(got, want, what: str) -> None:
+    (got_losses, got_params), (want_losses, want_params) = got, want
+    for step, (g, w) in enumerate(zip(got_losses, want_losses)):
+        assert torch.equal(g, w), f"{what}: the loss of step {step} differs: {g} vs {w}"
+    for name, value in want_params.items():
+        assert torch.equal(got_params[name], value), f"{what}: {name} differs"
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    """The shared simulated device as a rank's device 1, current in the test's thread."""
+    SimRuntime.reset_shared(index=1)
+    monkeypatch.setenv(SIM_ENV_VAR, "1")
+    with on_device(1):
+        yield SimRuntime.shared()
+    SimRuntime.reset_shared()
+
+
+@pytest.fixture(scope="module")
+def stock_expected():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(SIM_ENV_VAR, raising=False)
+        return _stock()
+
+
+# ---- the same numbers ----------------------------------------------------------------------------
+
+
+def test_offload_on_the_cpu_device_trains_bitwise_like_no_offload_with_stock_adamw(stock_expected):
+    _assert_same(_stock(CpuRuntime()), stock_expected, "CPU, stock AdamW")
+
+
+def test_offload_on_the_cpu_device_trains_bitwise_like_no_offload_with_the_engine(monkeypatch):
+    monkeypatch.delenv(SIM_ENV_VAR, raising=False)
+    _assert_same(_engine(True), _engine(False), "CPU, the engine")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_offload_on_the_simulated_device_trains_bitwise_like_the_cpu_without_offload(reentrant, sim, stock_expected):
+    """(Reentrant checkpointing saves the block's input through the same hooks.)"""
+    got = _stock(sim, reentrant=reentrant)
+    assert not sim.errors, sim.errors
+    _assert_same(got, stock_expected, f"simulated device, stock AdamW, reentrant {reentrant}")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("weights", ["stationary", "flow"])
+def test_offload_with_the_engine_on_the_simulated_device_matches_the_cpu_bitwise(weights, sim):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(SIM_ENV_VAR)
+        want = _engine(False, weights)
+    got = _engine(True, weights)
+    assert not sim.errors, sim.errors
+    _assert_same(got, want, f"simulated device, the engine, weights {weights}")
+
+
+@pytest.mark.sim
+def test_the_offload_never_blocks_the_host(sim):
+    model = _checkpointed()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with apply_activation_offload(model, sim):
+        _train(model, opt, steps=1)
+        before = sim.blocking_waits()
+        _train(model, opt, steps=2)  # (no parameter is adopted: backward runs on this thread)
+        assert sim.blocking_waits() == before
+
+
+# ---- device memory -------------------------------------------------------------------------------
+
+
+def _sim_peak(num_layers: int, offload: bool) -> int:
+    """The simulated device's peak over two steps, every block input booked as device memory (the
+    simulator does not see activations otherwise) from its block's forward on."""
+    sim = SimRuntime()
+    model = _checkpointed(num_layers)
+    for block in model.model.layers:
+        block.register_forward_pre_hook(
+            lambda module, args: sim.adopt_activation(args[0]) if torch.is_grad_enabled() and not in_backward() else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    if offload:
+        apply_activation_offload(model, sim)
+    _train(model, opt, steps=2)
+    assert not sim.errors, sim.errors
+    return sim.max_memory_allocated()
+
+
+@pytest.mark.sim
+def test_with_offload_the_simulated_device_peak_does_not_grow_with_the_number_of_blocks():
+    without = {n: _sim_peak(n, offload=False) for n in (2, 8)}
+    with_offload = {n: _sim_peak(n, offload=True) for n in (2, 8)}
+    assert without[8] - without[2] == 6 * INPUT_BYTES, without  # every block keeps its input
+    assert with_offload[8] - with_offload[2] <= INPUT_BYTES, with_offload
+    assert with_offload[8] <= 3 * INPUT_BYTES, with_offload  # the current, the last block's, one prefetched
+
+
+def test_the_pinned_pool_is_reused_across_steps():
+    model = _checkpointed()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with apply_activation_offload(model, CpuRuntime()) as offload:
+        _train(model, opt, steps=1)
+        allocated, pinned = offload.pool.allocations, offload.pinned_bytes
+        _train(model, opt, steps=3)
+        assert allocated == 3 and pinned == 3 * INPUT_BYTES  # the 3 blocks before the last
+        assert (offload.pool.allocations, offload.pinned_bytes) == (allocated, pinned)
+        assert "activation offload on (on): 4 blocks, prefetch depth 1, 0.012 MB pinned" in offload.describe()
+
+
+# ---- mutation tests ------------------------------------------------------------------------------
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("sync", [s for s in SYNCS if s != "prefetch_waits_compute"])
+def test_removing_an_offload_synchronisation_is_caught_by_the_simulator(sync, sim, stock_expected):
+    """(`prefetch_waits_compute` guards memory reuse, which the simulator does not model.)"""
+    try:
+        got = _stock(sim, omitted={sync})
+    except SimRaceError:
+        return
+    if sim.errors:
+        return
+    losses, params = got
+    differs = [n for n in params if not torch.equal(params[n], stock_expected[1][n])]
+    assert differs, f"without {sync!r} the run still matched the CPU bitwise and the simulator raised nothing"
+
+
+# ---- auto, refusals ------------------------------------------------------------------------------
+
+
+def test_auto_offloads_only_past_its_share_of_the_free_memory_and_never_where_the_host_is_the_device():
+    assert decide_auto(int(AUTO_SHARE * 1000) + 1, 1000, host_is_device=False).on
+    assert not decide_auto(int(AUTO_SHARE * 1000), 1000, host_is_device=False).on
+    off = decide_auto(10**12, 1000, host_is_device=True)
+    assert not off.on and "the device is the host" in off.describe()
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("budget, on", [(8 * INPUT_BYTES, True), (10**9, False)])
+def test_auto_decides_at_the_first_training_forward_from_the_simulated_free_memory(budget, on):
+    sim = SimRuntime(device_budget_bytes=budget)
+    model = _checkpointed()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with apply_activation_offload(model, sim, mode="auto") as offload:
+        assert offload.decision is None
+        _train(model, opt, steps=1)
+        assert offload.decision.on is on, offload.decision
+        assert offload.bytes_offloaded == (3 * INPUT_BYTES if on else 0)
+
+
+def test_a_model_without_checkpointable_blocks_and_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"Sequential has no transformers GradientCheckpointingLayer"):
+        ActivationOffload(torch.nn.Sequential(torch.nn.Linear(2, 2)), CpuRuntime())
+    model = _checkpointed(1)
+    with pytest.raises(ValueError, match=r"`mode` is 'always'"):
+        ActivationOffload(model, CpuRuntime(), mode="always")
+    with pytest.raises(ValueError, match=r"`depth` is 0"):
+        ActivationOffload(model, CpuRuntime(), depth=0)
+    with pytest.raises(ValueError, match=r"Unknown synchronisation\(s\) \['fence'\]"):
+        ActivationOffload(model, CpuRuntime(), omitted={"fence"})
+
+
+# ---- transformers that checkpoint __call__ (the pre-hook runs after the input was saved) ----------
+
+
+class _OldOrderModel(torch.nn.Module):
+    """A Llama whose blocks are checkpointed around `__call__`, as transformers before the
+    forward-wrapping GradientCheckpointingLayer did: the checkpoint saves a block's input before
+    its forward pre-hooks run (and runs them again in the recomputation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.llama = tiny_llama(num_layers=4)
+        self.llama.train()
+        self.llama.config.use_cache = False  # (the recomputation would write the cache again)
+        for block in self.llama.model.layers:
+            block.gradient_checkpointing = True  # what our pre-hook checks ...
+            block._gradient_checkpointing_func = lambda fn, *args: fn(*args)  # ... without a second checkpoint
+            block.__class__ = type("OldOrderLayer", (type(block),), {"__call__": _checkpointed_call})
+        self.training = True
+
+    def forward(self, **batch):
+        return self.llama(**batch)
+
+
+def _checkpointed_call(self, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    call = functools.partial(torch.nn.Module.__call__, self, **kwargs)
+    return checkpoint(call, *args, use_reentrant=False)
+
+
+@pytest.mark.sim
+def test_the_earlier_checkpoint_order_offloads_the_same_inputs_with_the_same_numbers(stock_expected):
+    sim = SimRuntime()
+    model = _OldOrderModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    with apply_activation_offload(model, sim) as offload:
+        losses, params = _train(model, opt)
+        assert offload._saves_before_pre_hook is True and offload.bytes_fetched == STEPS * 3 * INPUT_BYTES
+    assert not sim.errors, sim.errors
+    _assert_same((losses, {n.removeprefix("llama."): v for n, v in params.items()}), stock_expected, "earlier order")
+
+
+# ---- config and the Trainer ----------------------------------------------------------------------
+
+
+def test_the_config_field_takes_auto_on_off_and_names_the_choices():
+    from superoffload_hf.config import ConfigError, SuperOffloadConfig
+
+    assert SuperOffloadConfig().activation_offload == "auto"
+    assert SuperOffloadConfig(activation_offload="on").activation_offload == "on"
+    with pytest.raises(ConfigError, match=r"`activation_offload` is 'yes'; valid choices are \['auto', 'on', 'off'\]"):
+        SuperOffloadConfig(activation_offload="yes")
+
+
+def _trainer_run(tmp_path, choice: str, gradient_checkpointing: bool = True, steps: int = 3):
+    from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
+
+    batches = [{k: v[0] for k, v in micro_batches(i, batch=1)[0].items()} for i in range(4 * steps)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / choice), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
+        data_seed=0, gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, superoffload=True,
+        superoffload_config={"host_kernel": "reference", "activation_offload": choice})
+    trainer = Trainer(model=tiny_llama(num_layers=4), args=args, train_dataset=batches)
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    return trainer, losses, {n: p.detach().clone() for n, p in read_params(trainer.model).items()}
+
+
+@pytest.mark.sim
+def test_the_trainer_applies_activation_offload_on_and_trains_the_same_weights(tmp_path, sim):
+    on, on_losses, on_params = _trainer_run(tmp_path, "on")
+    hooks = on.superoffload.activation_offload
+    assert hooks is not None and hooks.bytes_fetched > 0 and hooks.pinned_bytes == 3 * 4 * 16 * 32 * 4
+    off, off_losses, off_params = _trainer_run(tmp_path, "off")
+    assert off.superoffload.activation_offload is None
+    assert not sim.errors, sim.errors
+    assert on_losses == off_losses
+    for name, value in off_params.items():
+        assert torch.equal(on_params[name], value), name
+
+
+def test_the_trainer_on_the_cpu_device_states_that_on_is_a_no_op(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(SIM_ENV_VAR, raising=False)
+    with caplog.at_level("INFO", logger="superoffload_hf.integrations.trainer"):
+        trainer, _, _ = _trainer_run(tmp_path, "on", steps=1)
+    assert trainer.superoffload.activation_offload is None
+    assert "activation offload on: not applied, the device is the host" in caplog.text
+
+
+@pytest.mark.sim
+def test_on_without_gradient_checkpointing_is_refused_naming_the_fix(tmp_path, sim):
+    with pytest.raises(ValueError, match=r"`activation_offload` is \"on\" but gradient checkpointing is off.*"
+                                         r"`gradient_checkpointing=True`"):
+        _trainer_run(tmp_path, "on", gradient_checkpointing=False, steps=1)
+
+
+def test_the_dry_run_line_states_the_inputs_the_pinned_bytes_and_the_decision():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from superoffload_hf.parallel.activation_offload import dry_run_line
+
+    llama8b = LlamaConfig(num_hidden_layers=32, hidden_size=4096)  # (only the shape is read)
+    recipe = SimpleNamespace(training={"per_device_train_batch_size": 1, "gradient_checkpointing": True},
+                             data=SimpleNamespace(seq_len=512 * 1024))
+    line = dry_run_line(recipe, llama8b, "auto", 2, device_is_host=False)
+    assert line == ("  activation offload auto; checkpointed block inputs 137.439 GB on the device (32 x 4.295 GB at "
+                    "524288 tokens a micro-batch), offloaded 133.144 GB pinned host - auto: on if the device has less "
+                    "than 549.756 GB free at the first training forward (they would take over 25% of it)")
+    assert dry_run_line(recipe, llama8b, "on", 2, device_is_host=True).endswith(" - not applied, the device is the host")
+    recipe.training["gradient_checkpointing"] = False
+    assert dry_run_line(recipe, llama8b, "on", 2, device_is_host=False).endswith(
+        " - refused: it needs `training.gradient_checkpointing: true`")
+
+
+# ---- the simulator's booked activations (SimRuntime.adopt_activation) -----------------------------
+
+
+def _booked_copy(sim, wait_compute: bool):
+    activation = torch.ones(256)
+    sim.adopt_activation(activation)
+    host = sim.host_empty(256, torch.float32, pinned=True)
+    side = sim.new_stream()
+    ready = sim.new_event()
+    ready.record(sim.compute)
+    with sim.on_stream(side):
+        if wait_compute:
+            side.wait_event(ready)
+        sim.copy_(host, activation)
+        copied = sim.new_event()
+        copied.record(side)
+    return activation, host, copied
+
+
+def test_a_booked_activation_counts_as_device_memory_until_its_object_goes():
+    sim = SimRuntime()
+    activation = torch.ones(256)
+    sim.adopt_activation(activation)
+    sim.adopt_activation(activation)  # (once)
+    assert sim.memory_allocated() == 1024
+    del activation
+    assert sim.memory_allocated() == 0 and sim.max_memory_allocated() == 1024
+
+
+def test_a_booked_activation_freed_after_the_compute_stream_waited_for_its_copy_needs_no_record_stream():
+    sim = SimRuntime()
+    activation, host, copied = _booked_copy(sim, wait_compute=True)
+    sim.compute.wait_event(copied)
+    del activation
+    assert sim.memory_allocated() == 0 and torch.equal(host, torch.ones(256)) and not sim.errors
+
+
+def test_a_booked_activation_freed_while_its_copy_has_not_run_is_reported():
+    sim = SimRuntime()
+    activation, host, copied = _booked_copy(sim, wait_compute=True)
+    del activation
+    with pytest.raises(SimRaceError, match=r"activation \(device\) \(256,\) float32 freed while side stream 1 still"):
+        sim.memory_allocated()
+
+
+def test_a_side_stream_reading_a_booked_activation_before_waiting_for_the_compute_stream_is_reported():
+    sim = SimRuntime()
+    with pytest.raises(SimRaceError, match=r"reads device tensor \(256,\) float32 written on the compute stream"):
+        _booked_copy(sim, wait_compute=False)
+
+
+def test_a_dropped_model_frees_its_offload_hooks_without_the_cyclic_collector():
+    import gc
+    import weakref
+
+    model = _checkpointed(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    hooks = weakref.ref(apply_activation_offload(model, CpuRuntime()))
+    _train(model, opt, steps=1)
+    gc.disable()
+    try:
+        del model, opt
+        assert hooks() is None, gc.get_referrers(hooks())
+    finally:
+        gc.enable()
+
+
+@pytest.mark.sim
+def test_a_retained_graph_backward_twice_fetches_the_inputs_again_with_the_same_gradients():
+    def grads(runtime):
+        model = _checkpointed()
+        hooks = apply_activation_offload(model, runtime) if runtime is not None else None
+        loss = model(**micro_batches(0)[0]).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        if hooks is not None:
+            assert hooks.bytes_fetched == 2 * 3 * INPUT_BYTES
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    sim = SimRuntime()
+    want, got = grads(None), grads(sim)
+    assert not sim.errors, sim.errors
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
