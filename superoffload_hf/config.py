@@ -92,9 +92,19 @@ class SuperOffloadConfig:
     on a side stream before its forward, prefetched one unit ahead, released after it (storage
     resized to 0), fetched again in reverse order for its backward and released when its
     gradients have left; device memory then holds about two units of weights. "auto": flow
-    when the weights and the engine's device buffers do not fit in the free device memory, else
-    stationary. One process, `state_precision: fp32` and `device_dtype` fp32 or bf16 so far
-    (docs/weight-flow.md)."""
+    when the weights, the engine's device buffers and `device_activation_bytes` do not fit in the
+    free device memory, else stationary; when it flows, per unit: the fewest units flowing that
+    fit, the units whose fetch hides best behind their compute first (the others stay on the
+    device), prefetched as deep as the link speed and the forward time measured in the first step
+    call for (engine/flow_choice.py). One process, `state_precision: fp32` and `device_dtype` fp32
+    or bf16 so far (docs/weight-flow.md)."""
+
+    device_activation_bytes: int = 0
+    """Device bytes the activations of one step take at the configured batch, sequence length and
+    checkpointing, counted by `weights` "auto" (and the refusal of "stationary") against the free
+    device memory together with the weights and the engine's buffers. 0: not counted (the
+    simulated device does not count activations either). `superoffload train --dry-run` prints
+    the device peak with and without flow for the number given here."""
 
     host_threads: Union[int, str] = AUTO
     """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on
@@ -190,6 +200,7 @@ class SuperOffloadConfig:
                 f"`weights` is {self.weights!r} with `device_dtype: fp16`: weight-flow is implemented and "
                 "tested for fp32 and bf16 device weights. Use `device_dtype: bf16` (or fp32), or "
                 "`weights: stationary`.")
+        _check_int("device_activation_bytes", self.device_activation_bytes, minimum=0)
         _check_auto_or_int("host_threads", self.host_threads, minimum=1)
         if self.host_cores is not None:
             cores = self.host_cores

@@ -19,6 +19,7 @@ machine of lifecycle.py. Ordering guarantees the engine relies on, each enforced
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -36,6 +37,7 @@ from superoffload_hf.engine.collect import Collector
 from superoffload_hf.engine.commit import Committer
 from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_ddp, sharding
 from superoffload_hf.engine.flow import WeightFlow, find_units
+from superoffload_hf.engine.flow_choice import choose_depth
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
@@ -342,6 +344,8 @@ class Engine:
         measured = {"host_bytes_per_second": machine.host_adam_rate * step_bytes, "backward_seconds": workload.backward_s}
         self.replan(self.layout.learned(self.config, log, choice, int(machine.device_free_bytes)).bucket_plan,
                     measured)
+        if self.flow is not None and choice is not None:  # an accelerator: the link and the forward measured
+            self._choose_prefetch_depth(machine, workload)
         predicted = predict(machine, workload, bucket_numel=self.plan.bucket_numel,
                             device_buckets=self.plan.num_device_buckets, cast=self.cast,
                             speculate=self.config.speculation != "off")
@@ -351,6 +355,23 @@ class Engine:
                     predicted.backward_s, predicted.exposed_host_s, predicted.exposed_transfer_s, machine.name)
         self.learned = {"ready_order": list(log.order), "deferred": log.deferred(),
                         "device_buckets": self.plan.num_device_buckets}
+
+    def _choose_prefetch_depth(self, machine, workload) -> None:
+        """Weight-flow's prefetch depth from the first step's link speed and forward time
+        (engine/flow_choice.py choose_depth), within the device memory free now; the flow reads
+        the new plan's depth from its next prefetch on."""
+        flow_choice = self.layout.flow_choice
+        units = [u for u, f in zip(flow_choice.units, flow_choice.flowing) if f]
+        link = machine.h2d.gbps(max(u.nbytes for u in units)) * 1e9
+        # the forward's time shared by matrix-multiply elements (the first step's forward also
+        # waited for fetches at depth 1: an over-estimate of the compute, so a shallower prefetch)
+        per_element = workload.forward_s / max(sum(u.compute for u in flow_choice.units), 1)
+        chosen = choose_depth(flow_choice, link, per_element, headroom_bytes=int(self.runtime.memory_info()[0]))
+        self.layout = dataclasses.replace(self.layout, flow=dataclasses.replace(self.layout.flow, depth=chosen.depth),
+                                          flow_choice=chosen)
+        self.flow.plan = self.layout.flow
+        logger.info("SuperOffload weight-flow: prefetch depth %d (link %.1f GB/s, forward %.4fs): predicted exposed "
+                    "transfer %.4fs a step", chosen.depth, link / 1e9, workload.forward_s, chosen.exposed_s)
 
     def adopt_learned(self, learned: dict) -> None:
         """Take the plan a checkpoint's optimizer had learned (so a resumed run continues

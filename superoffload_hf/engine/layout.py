@@ -309,16 +309,38 @@ def decide_layout(params: list[torch.Tensor], groups: list[dict], config, machin
     if machine.shard_world is None:  # (decided from the stationary layout's memory; flow needs the model)
         from superoffload_hf.engine.flow_choice import decide_weights
 
-        if decide_weights(config.weights, initial, layout.policy, machine, model) == "flow" and not flow:
+        if decide_weights(config.weights, initial, layout.policy, machine, model,
+                          config.device_activation_bytes) == "flow" and not flow:
             flow = True
             cast = resolve_cast(config, dtype, machine, flow)
     policy = buffer_policy(config, dtype, cast, machine, flow, steps, shard_world=machine.shard_world)
-    flow_plan = None
+    flow_plan = choice = None
     if flow:
-        from superoffload_hf.engine.flow import plan_flow
+        flow_plan, choice = place_weights(config, model, params, initial, policy, machine)
+    return dataclasses.replace(layout, cast=cast, policy=policy, bucket_plan=initial, flow=flow_plan,
+                               flow_choice=choice)
 
-        flow_plan = plan_flow(model, params, element_bytes=dtype.itemsize)
-    return dataclasses.replace(layout, cast=cast, policy=policy, bucket_plan=initial, flow=flow_plan)
+
+def place_weights(config, model, params, plan: BucketPlan, policy: BufferPolicy, machine: MachineFacts):
+    """(FlowPlan, FlowChoice) of a run whose weights flow: every unit under "flow"; under "auto" the
+    fewest that fit the device's free memory with the engine's device buffers under `policy` and
+    the activations (config `device_activation_bytes`). Prefetch depth 1 until the first step has
+    measured the link and the forward (engine/core.py _learn)."""
+    from superoffload_hf.engine.flow import plan_flow
+    from superoffload_hf.engine.flow_choice import choose_flow, flow_plan_of, unit_costs
+
+    every = plan_flow(model, params, element_bytes=policy.device_dtype.itemsize)
+    rows = footprint(plan, policy)
+    weight_bytes = sum(r.nbytes for r in rows if r.what == "device params")
+    # the units that cannot flow (frozen or foreign parameters) stay, with the engine's buffers
+    other = (sum(r.nbytes for r in rows if r.place == "device" and r.what != "device params")
+             + max(0, weight_bytes - every.nbytes) + config.device_activation_bytes)
+    free = machine.free_bytes
+    if free is not None and not machine.params_counted:  # a real device: the model is on it now
+        free += weight_bytes
+    choice = choose_flow(config.weights, unit_costs(model, every.units), other_bytes=other,
+                         activation_bytes=config.device_activation_bytes, free_bytes=free)
+    return flow_plan_of(every, choice), choice
 
 
 def resolve_cast(config, dtype: torch.dtype, machine: MachineFacts, flow: bool) -> str:
