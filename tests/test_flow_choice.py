@@ -15,7 +15,7 @@ from superoffload_hf.engine.flow_choice import (UnitCost, choose_depth, choose_f
                                                 hiding_order)
 from superoffload_hf.testing.sim import SimRuntime, on_device
 
-from _models import engine_config, one_torch_thread, tiny_batch, tiny_llama  # noqa: F401
+from _models import engine_config, one_torch_thread, params_snapshot, tiny_batch, tiny_llama  # noqa: F401
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(180)]
 
@@ -128,3 +128,45 @@ def test_activation_bytes_make_auto_flow_more_units(quarter_budget):
         with with_activations:
             more = sum(with_activations._engine.layout.flow_choice.flowing)
     assert fewer < more, (fewer, more)
+
+
+def _steps(model, opt, steps: int) -> None:
+    for step in range(steps):
+        model(**tiny_batch(seed=step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_engine_takes_the_depth_the_measured_link_and_forward_call_for_and_trains_alike_at_it():
+    """(engine/core.py _choose_prefetch_depth, which an accelerator's first step runs, called here
+    with a made-up measurement: a link far slower than the forward)"""
+    from superoffload_hf.perf.cost_model import Bandwidth, Machine, Workload
+
+    def make(weights):
+        model = tiny_llama(num_layers=4)
+        return model, SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
+                                        config=engine_config(device_buckets=0, weights=weights, speculation="on"))
+
+    model, opt = make("stationary")
+    with opt:
+        _steps(model, opt, 3)
+        want = params_snapshot(model)
+    model, opt = make("flow")
+    with opt:
+        engine = opt._engine
+        link = Bandwidth.constant(1e-5)  # GB/s: a block's fetch takes seconds, the forward one
+        machine = Machine(name="made up", h2d=link, d2h=link, host_adam_rate=1e9, host_adam_rate_busy=1e9,
+                          device_adam_rate=1e9, device_free_bytes=1e9)
+        workload = Workload(num_params=sum(p.numel() for p in model.parameters()), forward_s=1.0, backward_s=2.0)
+        before = engine.layout.flow_choice
+        assert before.depth == 1 and before.exposed_s is None
+        engine._choose_prefetch_depth(machine, workload)
+        expected = choose_depth(before, 1e4, 1.0 / sum(u.compute for u in before.units),
+                                headroom_bytes=int(engine.runtime.memory_info()[0]))
+        assert engine.layout.flow_choice == expected and expected.depth > 1
+        assert engine.flow.plan.depth == engine.layout.flow.depth == expected.depth
+        assert f"prefetch depth {expected.depth}" in opt.describe() and "ms a step" in str(engine.layout)
+        _steps(model, opt, 3)
+        got = params_snapshot(model)  # (the documented read: the flowing units are fetched for it)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{name}: depth {expected.depth} differs from stationary"
