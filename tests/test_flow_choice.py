@@ -12,7 +12,7 @@ from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.device import SIM_ENV_VAR
 from superoffload_hf.engine.flow_choice import (UnitCost, choose_depth, choose_flow, device_peak, exposed_seconds,
-                                                hiding_order)
+                                                hiding_order, spread_order)
 from superoffload_hf.testing.sim import SimRuntime, on_device
 
 from _models import engine_config, one_torch_thread, params_snapshot, tiny_batch, tiny_llama  # noqa: F401
@@ -49,11 +49,13 @@ def test_a_fast_link_exposes_only_the_first_fetch_of_each_pass():
 
 
 def test_auto_flows_the_fewest_units_that_fit_the_best_hidden_first():
-    assert hiding_order(UNITS)[0] == 5 and hiding_order(UNITS)[-1] == 0  # the head first, the embedding last
-    # 600 bytes of weights + 50 other do not fit 450: the head flows, then the blocks in order; the
-    # first two save nothing (a unit and the next are on the device at once), the next two 100 each
+    # the head first, the embedding last; the equal blocks spread out (ends, then the middles)
+    assert hiding_order(UNITS) == [5, 1, 4, 2, 3, 0]
+    assert spread_order(8) == [0, 7, 3, 1, 5, 2, 4, 6] and sorted(spread_order(33)) == list(range(33))
+    # 600 bytes of weights + 50 other do not fit 450: the head flows, then the blocks; the first two
+    # save nothing (a unit and the next are on the device at once), the next two 100 each
     choice = choose_flow("auto", UNITS, other_bytes=50, free_bytes=450)
-    assert choice.flowing_names == ("block0", "block1", "block2", "head") and choice.peak_flow == 450
+    assert choice.flowing_names == ("block0", "block1", "block3", "head") and choice.peak_flow == 450
     assert device_peak(UNITS, choice.flowing, 1, 50) == 2 * 100 + 2 * 100 + 50  # 2 kept, a window of 2
     assert device_peak(UNITS, choice.flowing, 2, 50) == 2 * 100 + 3 * 100 + 50
     assert choice.peak_stationary == 650

@@ -114,10 +114,10 @@ class FlowChoice:
         exposed = ("not predicted yet (after step 1, from the measured link and forward)" if self.exposed_s is None
                    else f"{self.exposed_s * 1e3:.2f} ms a step")
         free = "" if self.free_bytes is None else f" of {self.free_bytes / 1e6:.3f} MB free"
-        return (f"flow choice: {n} of {len(self.units)} units flow, prefetch depth {self.depth}; device peak "
+        return (f"flow choice {n} of {len(self.units)} units flow, prefetch depth {self.depth}; device peak "
                 f"{self.peak_flow / 1e6:.3f} MB with flow, {self.peak_stationary / 1e6:.3f} MB stationary{free} "
                 f"(activations {self.activation_bytes / 1e6:.3f} MB counted); exposed transfer {exposed}"
-                + (f"; {self.reason}" if self.reason else ""))
+                + (f" ({self.reason})" if self.reason else ""))
 
 
 def device_peak(units: Sequence[UnitCost], flowing: Sequence[bool], depth: int, other_bytes: int) -> int:
@@ -132,9 +132,42 @@ def device_peak(units: Sequence[UnitCost], flowing: Sequence[bool], depth: int, 
 
 def hiding_order(units: Sequence[UnitCost]) -> list[int]:
     """Unit indices, the unit whose fetch hides best first: the most forward compute per byte
-    fetched (the link is one rate, so this is compute time per fetch time); ties in forward order.
-    An embedding (a gather, no multiply) hides worst."""
-    return sorted(range(len(units)), key=lambda i: (-units[i].compute / max(units[i].nbytes, 1), i))
+    fetched (the link is one rate, so this is compute time per fetch time; an embedding, a gather
+    with no multiply, hides worst). Among equal units (the decoder blocks) spread out: first, the
+    middle and ends, halving the gaps (`spread_order`), so that the stationary ones between two
+    flowing ones give the later fetch their compute too."""
+    ratio = [round(u.compute / max(u.nbytes, 1), 9) for u in units]
+    groups: dict[float, list[int]] = {}
+    for i, r in enumerate(ratio):
+        groups.setdefault(r, []).append(i)
+    order = []
+    for r in sorted(groups, reverse=True):
+        members = groups[r]
+        order += [members[k] for k in spread_order(len(members))]
+    return order
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1, each prefix as evenly spread over the range as the prefixes before it allow:
+    0, then n-1, then the middle, then the middles of the halves, ... (8: 0 7 3 1 5 2 4 6)."""
+    if n <= 2:
+        return list(range(n))
+    order, seen = [0, n - 1], {0, n - 1}
+    gaps = [(0, n - 1)]
+    while len(order) < n:
+        next_gaps = []
+        for lo, hi in gaps:
+            if hi - lo < 2:
+                continue
+            mid = (lo + hi) // 2
+            if mid not in seen:
+                seen.add(mid)
+                order.append(mid)
+            next_gaps += [(lo, mid), (mid, hi)]
+        if not next_gaps:
+            break
+        gaps = next_gaps
+    return order + [i for i in range(n) if i not in seen]
 
 
 def choose_flow(mode: str, units: Sequence[UnitCost], *, other_bytes: int, activation_bytes: int = 0,
@@ -143,15 +176,15 @@ def choose_flow(mode: str, units: Sequence[UnitCost], *, other_bytes: int, activ
     taken in `hiding_order`; every unit when even that does not fit (the run may then run out of
     device memory: the message names the numbers). `other_bytes` includes `activation_bytes`."""
     flowing = [mode == "flow"] * len(units)
-    reason = "weights: flow (every unit)"
+    reason = "weights flow, every unit"
     if mode == "auto":
-        reason = "weights: auto"
+        reason = "weights auto"
         for i in hiding_order(units):
             if free_bytes is not None and device_peak(units, flowing, depth, other_bytes) <= free_bytes:
                 break
             flowing[i] = True
         if free_bytes is not None and device_peak(units, flowing, depth, other_bytes) > free_bytes:
-            reason += " (does not fit even with every unit flowing)"
+            reason += ", does not fit even with every unit flowing"
     return FlowChoice(tuple(units), tuple(flowing), depth, other_bytes, activation_bytes, free_bytes, None, reason)
 
 

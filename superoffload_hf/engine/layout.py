@@ -259,18 +259,24 @@ class Layout:
         return changed
 
     def __str__(self) -> str:
+        """(No ": " and no line starting with "- ": the dry run's output reads as YAML.)"""
         p, plan = self.policy, self.bucket_plan
         lines = [
-            f"Layout: device {self.device_type} {_dtype_name(self.device_dtype)}, cast on the {self.cast}, gradients "
+            f"layout device {self.device_type} {_dtype_name(self.device_dtype)}, cast on the {self.cast}, gradients "
             f"cross in {_dtype_name(p.link_dtype)}, host state {self.state_precision}",
-            f"  buckets: {len(plan.buckets)} of <= {self.bucket_numel} elements, {plan.num_device_buckets} "
+            f"  buckets {len(plan.buckets)} of <= {self.bucket_numel} elements, {plan.num_device_buckets} "
             f"device-resident" + (f", slots aligned to {plan.align}" if plan.align > 1 else ""),
-            f"  buffers: {'page-locked' if p.pin else 'plain'} host memory, snapshot "
+            f"  buffers in {'page-locked' if p.pin else 'plain'} host memory, snapshot "
             f"{'yes' if p.snapshot else 'no'}, {p.micro_batches} micro-batch{'es' if p.micro_batches != 1 else ''}"
             + ("" if p.shard_world is None else f", host state sharded over {p.shard_world} ranks")
             + (", parameters alias their masters" if p.params_alias_masters else ""),
-            "  " + (self.flow.describe() if self.flow is not None else "weights stationary"),
         ]
+        if self.flow is None:
+            lines.append("  weights stationary")
+        else:
+            names = [u.name for u in self.flow.units]
+            lines.append(f"  weights flow, {len(names)} units ({_names(names)}), "
+                         f"{len(self.flow.stationary)} stationary, prefetch depth {self.flow.depth}")
         if self.flow_choice is not None:
             lines.append("  " + self.flow_choice.describe())
         return "\n".join(lines)
@@ -280,9 +286,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).replace("torch.", ""))
 
 
+def _names(names) -> str:
+    names = list(names)
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
 def _units_note(names) -> str:
     names = list(names)
-    return "none" if not names else f"{len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+    return "none" if not names else f"{len(names)} ({_names(names)})"
 
 
 def decide_layout(params: list[torch.Tensor], groups: list[dict], config, machine: MachineFacts,
@@ -456,8 +467,9 @@ def estimate_layout(params: list[torch.Tensor], groups: list[dict], config, acce
                     accumulation_steps: int = 1, shard_world: Optional[int] = None) -> tuple[BucketPlan, BufferPolicy]:
     """The first plan and the buffer policy of `estimate` (the dry run also decides the snapshot
     trade from them, engine/snapshot_trade.py): `decide_layout` on the dry run's machine, with
-    the weights stationary (the dry run prints the weight-flow lines of its own)."""
+    the weights stationary (the dry run prints the weight-flow lines of its own: flow adds no
+    host buffer, it streams the copy the host Adam writes)."""
     machine = dry_run_machine(accelerator, config.pin_memory, shard_world)
-    layout = decide_layout(params, groups, config.replace(weights="stationary") if config.weights == "auto" else config,
-                           machine, accumulation_steps=accumulation_steps)
+    layout = decide_layout(params, groups, config.replace(weights="stationary"), machine,
+                           accumulation_steps=accumulation_steps)
     return layout.bucket_plan, layout.policy
