@@ -92,13 +92,23 @@ class SuperOffloadConfig:
     host Adam writes: the low-precision copy under cast "host", the fp32 master under fp32, the
     bf16 part of the master under compact state), streamed in per unit (a decoder block; the
     embedding and the head, a tied pair as one unit) on a side stream before its forward,
-    prefetched one unit ahead, released after it (storage resized to 0), fetched again in reverse
-    order for its backward and released when its gradients have left; device memory then holds
-    about two units of weights. Under data parallelism each fetch all-gathers the unit's buckets
-    from the ranks' shards (a collective: every rank runs the same forwards, and calls
-    `model.state_dict()` together). "auto": flow when the weights and the engine's device
-    buffers do not fit in the free device memory, else stationary (under data parallelism:
-    stationary). `device_dtype` fp32 or bf16 (docs/weight-flow.md)."""
+    prefetched ahead, released after it (storage resized to 0), fetched again in reverse order
+    for its backward and released when its gradients have left. Under data parallelism each
+    fetch all-gathers the unit's buckets from the ranks' shards (a collective: every rank runs
+    the same forwards, and calls `model.state_dict()` together). "auto": flow when the weights,
+    the engine's device buffers and `device_activation_bytes` do not fit in the free device
+    memory, else stationary (under data parallelism: stationary); when it flows, per unit: the
+    fewest units flowing that fit, the units whose fetch hides best behind their compute first
+    (the others stay on the device), prefetched as deep as the link speed and the forward time
+    measured in the first step call for (engine/flow_choice.py). `device_dtype` fp32 or bf16
+    (docs/weight-flow.md)."""
+
+    device_activation_bytes: int = 0
+    """Device bytes the activations of one step take at the configured batch, sequence length and
+    checkpointing, counted by `weights` "auto" (and the refusal of "stationary") against the free
+    device memory together with the weights and the engine's buffers. 0: not counted (the
+    simulated device does not count activations either). `superoffload train --dry-run` prints
+    the device peak with and without flow for the number given here."""
 
     activation_offload: str = AUTO
     """Under gradient checkpointing each decoder block keeps its input for the backward (at long
@@ -211,6 +221,7 @@ class SuperOffloadConfig:
                 f"`weights` is {self.weights!r} with `device_dtype: fp16`: weight-flow is implemented and "
                 "tested for fp32 and bf16 device weights. Use `device_dtype: bf16` (or fp32), or "
                 "`weights: stationary`.")
+        _check_int("device_activation_bytes", self.device_activation_bytes, minimum=0)
         _check_choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOAD_CHOICES)
         _check_auto_or_int("host_threads", self.host_threads, minimum=1)
         if self.host_cores is not None:

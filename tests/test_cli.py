@@ -475,3 +475,26 @@ def test_recipe_trains_on_cpu_reads_the_yaml_and_the_override():
     assert not recipe_trains_on_cpu([str(TINY), "--training.use_cpu", "false"])
     assert not recipe_trains_on_cpu([str(REPO / "recipes" / "llama3.2-1b.yaml")])
     assert recipe_trains_on_cpu([str(REPO / "recipes" / "llama3.2-1b.yaml"), "--training.use_cpu=true"])
+
+
+def test_dry_run_prints_the_layout_and_what_weights_auto_decides_on_one_h200(capsys):
+    memory, _ = dry_run_memory(capsys)
+    lines = memory.splitlines()
+    head = next(x for x in lines if x.startswith("  on one H200 (141 GB"))
+    assert "weights auto flows 0 of" in head and "(every unit fits on the device)" in head, head
+    assert any(x.startswith("    predicted exposed transfer 0.0 ms a step") for x in lines)
+    assert any(x.startswith("    layout device cuda") for x in lines) and any(x == "    weights stationary" for x in lines)
+    peak = next(x for x in lines if x.startswith("    device peak "))
+    stationary = float(peak.split("device peak ")[1].split(" GB")[0])
+    flowing = float(peak.split("stationary, ")[1].split(" GB")[0])
+    # activations that leave room between the two: some units flow, within the device
+    activations = 141 * 10**9 - int((stationary + flowing) / 2 * 1e9)
+    memory, _ = dry_run_memory(capsys, "--superoffload.device_activation_bytes", str(activations))
+    lines = memory.splitlines()
+    head = next(x for x in lines if x.startswith("  on one H200 (141 GB"))
+    flows, units = (int(v) for v in head.split("weights auto flows ")[1].split(" units")[0].split(" of "))
+    assert 0 < flows < units, head
+    peak = next(x for x in lines if x.startswith("    device peak "))
+    chosen = float(peak.split(" GB with every unit flowing, ")[1].split(" GB")[0])
+    assert chosen <= 141.0 and float(peak.split("device peak ")[1].split(" GB")[0]) > 141.0, peak
+    assert any(x.startswith(f"    weights flow, {flows} units (") for x in lines)

@@ -177,22 +177,23 @@ def test_the_cost_models_choice_sets_the_auto_layout_within_the_device_memory_of
     from types import SimpleNamespace
 
     from superoffload_hf import SuperOffloadConfig
-    from superoffload_hf.engine.layout import FireLog, LayoutBuilder, device_bucket_bytes
+    from superoffload_hf.engine.layout import FireLog, MachineFacts, decide_layout, device_bucket_bytes
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (4000, 1000, 1000, 1000, 1000)]
-    layout = LayoutBuilder(params, [{"params": params, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
-                                     "weight_decay": 0.0}], SuperOffloadConfig(bucket_size_mb="auto"))
+    config = SuperOffloadConfig(bucket_size_mb="auto")
+    layout = decide_layout(params, [{"params": params, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+                                     "weight_decay": 0.0}], config, MachineFacts(host_is_device=False))
     log = FireLog(5)
     for index in (4, 3, 2, 1, 0):  # backward order: the big first parameter arrives last
         log.record(index)
     choice = SimpleNamespace(bucket_numel=1000, device_buckets=2)
-    plan = layout.learned_plan(log, choice, free_device_bytes=4 * 10**9)
+    plan = layout.learned(config, log, choice, free_device_bytes=4 * 10**9).bucket_plan
     assert plan.bucket_numel == 1000 and plan.num_device_buckets == 2
     assert plan.buckets[-1].numel == 4000  # the last bucket in gradient order holds the big one
     budget = device_bucket_bytes(4000) + device_bucket_bytes(1000) // 2  # room for the big one only
-    plan = layout.learned_plan(log, choice, free_device_bytes=4 * budget)
+    plan = layout.learned(config, log, choice, free_device_bytes=4 * budget).bucket_plan
     assert plan.num_device_buckets == 1
-    assert layout.learned_plan(log, None, free_device_bytes=4 * 10**9).num_device_buckets == 0
+    assert layout.learned(config, log, None, free_device_bytes=4 * 10**9).bucket_plan.num_device_buckets == 0
 
 
 def test_on_the_cpu_device_the_timeline_says_why_the_copy_tracks_stay_empty(tmp_path):

@@ -144,7 +144,7 @@ def test_auto_bucket_size_is_32_mb_but_gives_small_models_four_buckets_on_an_acc
     assert auto_bucket_numel(1.0, 10**9) == 2**18
     with pytest.raises(ValueError, match="bucket_size_mb"):
         auto_bucket_numel(0, 100)
-    # the CPU device (LayoutBuilder inline_host): no shrinking, buckets overlap nothing there
+    # the CPU device (layout.py MachineFacts.inline_host): no shrinking, buckets overlap nothing there
     assert auto_bucket_numel("auto", 1000, min_buckets=1) == 1000
     assert auto_bucket_numel("auto", 10**9, min_buckets=1) == 32 * 2**20 // 4
     assert auto_bucket_numel(1.0, 10**9, min_buckets=1) == 2**18

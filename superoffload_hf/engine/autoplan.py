@@ -1,6 +1,6 @@
 """The cost model (perf.cost_model) fed with what the first step measured: the machine (link
 bandwidth, host and device Adam rates, free device memory) and the workload (forward and
-backward time, when each gradient arrived). `LayoutBuilder.learned_plan` uses it for the "auto"
+backward time, when each gradient arrived). `Layout.learned` (engine/layout.py) uses it for the "auto"
 bucket size and device-resident buckets on an accelerator, and keeps its predicted step time,
 which the engine reports beside the measured one.
 

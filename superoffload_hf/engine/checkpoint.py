@@ -5,6 +5,7 @@
      "superoffload": {"format_version": 1, "state_precision": "fp32" | "compact" | "compact32",
                       "loss_scale": {..}, "speculation": {..},
                       "counters": {..}, "plan": None | {"ready_order", "deferred", "device_buckets"},
+                      "layout": {..engine/layout.py Layout.to_dict()..},
                       "checksums": {i: {"exp_avg": crc32, "exp_avg_sq": crc32, "master_param": crc32}}}}
 
 As in torch.optim, a parameter has an entry only once it has been stepped, and the tensors
@@ -34,6 +35,13 @@ Checksums: the CRC-32 of every state tensor's fp32 bytes is stored with the stat
 load, before anything changes, so a file damaged on disk (finite garbage in a moment resumes
 "successfully" otherwise, and trains to a different loss) is refused with the parameter and key
 it hit. A state dict without checksums (older versions, torch.optim) loads unchecked.
+
+Layout: the layout value the state was saved under (device dtype, cast, state precision, bucket
+plan, buffers, which units flow) is stored with it. The state is per parameter, so it loads
+under any other layout; where the saved one differs, loading says so in one notice naming each
+decision that changed (the state precision is converted, as above; everything else needs no
+conversion: the masters are fp32 or compact whatever the plan, and flowing weights are fetched
+from the loaded masters).
 """
 
 from __future__ import annotations
@@ -88,6 +96,7 @@ def state_dict(engine, groups: list[dict]) -> dict:
             "speculation": engine.policy.state_dict(),
             "counters": engine.counters.as_dict(),
             "plan": engine.learned,
+            "layout": engine.layout.to_dict(),
             "checksums": dict(sorted(checksums.items())),
         },
     }
@@ -100,7 +109,8 @@ def _entry_keys(values: Mapping[str, Any]) -> dict[str, str]:
 
 def _extras(engine) -> dict:
     return {"format_version": FORMAT_VERSION, "loss_scale": engine.loss_scale.state_dict(),
-            "speculation": engine.policy.state_dict(), "counters": engine.counters.as_dict()}
+            "speculation": engine.policy.state_dict(), "counters": engine.counters.as_dict(),
+            "layout": engine.layout.to_dict()}
 
 
 def load_state_dict(engine, groups: list[dict], sd: Any) -> None:
@@ -152,6 +162,18 @@ def _load_extras(engine, groups: list[dict], saved_groups: list, extra: Mapping[
         engine.policy.load_state_dict(extra["speculation"])
     if "counters" in extra:
         engine.counters.load_dict(extra["counters"])
+    if extra.get("layout"):
+        check_layout_change(engine.layout, extra["layout"])
+
+
+def check_layout_change(layout, saved: Mapping[str, Any]) -> list[str]:
+    """One notice when the checkpoint's layout (`saved`, Layout.to_dict()) differs from this
+    engine's; the differences, "decision: saved -> this" each."""
+    changed = layout.differences(saved)
+    if changed:
+        logger.warning("SuperOffload: the checkpoint was saved under another layout; its state is per parameter "
+                       "and loads into this one (%s)", "; ".join(changed))
+    return changed
 
 
 def _load_param(engine, index: int, entry: Mapping[str, Any]):

@@ -3,7 +3,7 @@
     hooks ─> Collector (gradients in, launch, speculate) ─> HostWorker running HostJobs
     step(): Committer (global norm, commit | rollback+replay | skip, account)
     forward / synchronize: Waiter (per-bucket waits, in stream order)
-    BucketSet (plan, buffers, param state) · LayoutBuilder (decisions) · Transfer (device seam)
+    BucketSet (plan, buffers, param state) · Layout (the decisions, one value) · Transfer (device seam)
     with N > 1 ranks: DataParallel (dp.py) collects, reduce-scatters, all-gathers; shards (shard.py)
 
 Threads: hooks run on autograd's thread, step() on the training thread (never at the same time:
@@ -19,6 +19,7 @@ machine of lifecycle.py. Ordering guarantees the engine relies on, each enforced
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -35,12 +36,13 @@ from superoffload_hf.engine.buckets import BucketSet
 from superoffload_hf.engine.collect import Collector
 from superoffload_hf.engine.commit import Committer
 from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_ddp, sharding
-from superoffload_hf.engine.flow import WeightFlow, check_model_given, decide_weights, find_units, plan_flow
+from superoffload_hf.engine.flow import WeightFlow, find_units
+from superoffload_hf.engine.flow_choice import choose_depth
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
 from superoffload_hf.engine.host_limit import check_plan_fits
-from superoffload_hf.engine.layout import FireLog, LayoutBuilder, common_device
+from superoffload_hf.engine.layout import FireLog, cast_params_in_place, common_device, decide_layout, machine_facts
 from superoffload_hf.engine.live import LiveInputs
 from superoffload_hf.engine.lifecycle import BucketState
 from superoffload_hf.engine.loss_scale import make_loss_scale
@@ -89,25 +91,16 @@ class Engine:
         bus_id = self.runtime.pci_bus_id() if hasattr(self.runtime, "pci_bus_id") else None
         numa_node = pci_numa_node(bus_id) if bus_id else None
         collectives = Collectives.create(process_group, numa_node=numa_node)
-        self.layout = LayoutBuilder(self.params, param_groups, config,
-                                    inline_host=self.runtime.host_is_device and collectives is None)
         self.dp: Optional[DataParallel] = None  # built below, from the parts it uses
         check_not_ddp(self.params)
         if collectives is not None:
             broadcast_params(collectives, self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
-        self.layout.flow = config.weights == "flow"
-        self.cast = self.layout.resolve_cast(self.transfer)
-        if collectives is None:  # (decided from the stationary layout's memory; flow needs the model)
-            stationary = self.layout.buffer_policy(self.cast, self.transfer.pin_memory,
-                                                   self.runtime.pinned_rounds_to_power_of_two,
-                                                   host_is_device=self.runtime.host_is_device)
-            flow = decide_weights(config.weights, self.layout.initial_plan(), stationary, self.runtime, model)
-            if flow == "flow" and not self.layout.flow:
-                self.layout.flow = True
-                self.cast = self.layout.resolve_cast(self.transfer)
-        else:  # data parallel: "auto" keeps the weights stationary (one decision for every rank)
-            check_model_given(config.weights, model)
+        # every layout decision, once, before anything is allocated (engine/layout.py)
+        self.layout = decide_layout(self.params, param_groups, config, machine_facts(
+            self.runtime, self.transfer, config, None if collectives is None else collectives.topology.shard_world),
+            model)
+        self.cast = self.layout.cast
         self.host_threads_note = "set"
         threads = config.host_threads
         placement = host_placement(self.config.host_cores, collectives, numa_node)
@@ -128,15 +121,11 @@ class Engine:
         self.policy = SpeculationPolicy(config.speculation, config.speculation_window,
                                         config.speculation_max_rollback_rate, overlap=not self.runtime.host_is_device)
         self.loss_scale = make_loss_scale(config)
-        buffers = self.layout.buffer_policy(self.cast, self.transfer.pin_memory,
-                                            self.runtime.pinned_rounds_to_power_of_two,
-                                            host_is_device=self.runtime.host_is_device,
-                                            shard_world=None if collectives is None
-                                            else collectives.topology.shard_world)
+        buffers = self.layout.policy
         self.buckets = BucketSet(self.params, buffers, self.runtime,
                                  shard_of=None if collectives is None else sharding(collectives, self.layout.align),
                                  codec=self.adam, pin_mode=config.pin_method, pin_threads=self.adam.threads)
-        initial = self.layout.initial_plan()
+        initial = self.layout.bucket_plan
         # speculation auto with compact state: how many buckets may keep a rollback snapshot
         self.trade = engine_trade(initial, buffers, config.speculation, self.runtime,
                                   check_memory=config.host_memory_check)
@@ -145,10 +134,10 @@ class Engine:
                             sum(p.numel() for p in self.params))
         self.buckets.install(initial)
         self._reserve_staging()
-        self.layout.cast_params_in_place()
+        cast_params_in_place(self.params, self.layout.device_dtype)
         self.flow: Optional[WeightFlow] = None
-        if self.layout.flow:  # the host holds the units' weights now: released before the device counts them
-            self.flow = WeightFlow(plan_flow(model, self.params), self.params, self.buckets, self.runtime,
+        if self.layout.flow is not None:  # the host holds the units' weights now: released before the device counts them
+            self.flow = WeightFlow(self.layout.flow, self.params, self.buckets, self.runtime,
                                    self.transfer, counters=counters, timeline=self.observer.timeline)
             self.flow.release_all()
             self.jobs.flows = self.flow.flows
@@ -182,7 +171,7 @@ class Engine:
         self.collector = Collector(
             params=self.params, buckets=self.buckets, transfer=self.transfer, worker=self.worker, jobs=self.jobs,
             waiter=self.waiter, step_state=self.step_state, counters=counters,
-            gradient_accumulation_steps=config.gradient_accumulation_steps, link_dtype=self.layout.link_dtype(self.cast),
+            gradient_accumulation_steps=config.gradient_accumulation_steps, link_dtype=self.layout.link_dtype,
             host_is_device=self.runtime.host_is_device, policy=self.policy, loss_scale=self.loss_scale, dp=self.dp,
             observer=self.observer, live=self.live, unhooked=self.unhooked, handles=self.handles)
         self.waiter.reopen = weak_method(self.collector.reopen)  # weakly: the collector holds the waiter
@@ -317,6 +306,7 @@ class Engine:
             check_plan_fits(footprint(plan, self.buckets.policy, self.trade.snapshot_buckets), self.runtime,
                             sum(p.numel() for p in self.params), held=held)
         self.buckets.replan(plan)
+        self.layout = self.layout.with_plan(plan)
         self._reserve_staging()
 
     def _reserve_staging(self) -> None:
@@ -331,7 +321,7 @@ class Engine:
         host_seconds = self.counters.host_step_seconds - self._host_seconds_before_learning
         numels = [p.numel() for p in self.params]
         host_elements = sum(rt.bucket.numel for rt in self.buckets.host())
-        lowp_bytes = torch.empty((), dtype=self.layout.dtype).element_size()
+        lowp_bytes = self.layout.device_dtype.itemsize
         machine = measured_machine(self.transfer, host_elements, host_seconds, lowp_bytes, self.layout.h2d_gbps)
         # Device time, not host issue time: measured_machine waited for the compute stream, so the
         # first step's timing events have completed (read without blocking).
@@ -340,7 +330,7 @@ class Engine:
         workload = measured_workload(log, numels, self.observer.last_step_span if device_span is None else device_span,
                                      self.config.speculation_max_rollback_rate / 2)
         choice = None
-        if self.transfer.is_async and self.layout.device.type != "cpu":
+        if self.transfer.is_async and self.layout.device_type != "cpu":
             sizes = BUCKET_SIZES_MB if self.config.bucket_size_mb == "auto" else (float(self.config.bucket_size_mb),)
             choice = choose_plan(machine, workload, bucket_sizes_mb=sizes, casts=(self.cast,))
         # the snapshot trade from what the first step measured: the host step's bandwidth (its
@@ -350,7 +340,10 @@ class Engine:
                           for kind in policy.state_kinds)
         step_bytes = (2 * state_bytes / max(host_elements, 1) + torch.empty((), dtype=policy.link_dtype).element_size())
         measured = {"host_bytes_per_second": machine.host_adam_rate * step_bytes, "backward_seconds": workload.backward_s}
-        self.replan(self.layout.learned_plan(log, choice, int(machine.device_free_bytes)), measured)
+        self.replan(self.layout.learned(self.config, log, choice, int(machine.device_free_bytes)).bucket_plan,
+                    measured)
+        if self.flow is not None and choice is not None:  # an accelerator: the link and the forward measured
+            self._choose_prefetch_depth(machine, workload)
         predicted = predict(machine, workload, bucket_numel=self.plan.bucket_numel,
                             device_buckets=self.plan.num_device_buckets, cast=self.cast,
                             speculate=self.config.speculation != "off")
@@ -360,6 +353,23 @@ class Engine:
                     predicted.backward_s, predicted.exposed_host_s, predicted.exposed_transfer_s, machine.name)
         self.learned = {"ready_order": list(log.order), "deferred": log.deferred(),
                         "device_buckets": self.plan.num_device_buckets}
+
+    def _choose_prefetch_depth(self, machine, workload) -> None:
+        """Weight-flow's prefetch depth from the first step's link speed and forward time
+        (engine/flow_choice.py choose_depth), within the device memory free now; the flow reads
+        the new plan's depth from its next prefetch on."""
+        flow_choice = self.layout.flow_choice
+        units = [u for u, f in zip(flow_choice.units, flow_choice.flowing) if f]
+        link = machine.h2d.gbps(max(u.nbytes for u in units)) * 1e9
+        # the forward's time shared by matrix-multiply elements (the first step's forward also
+        # waited for fetches at depth 1: an over-estimate of the compute, so a shallower prefetch)
+        per_element = workload.forward_s / max(sum(u.compute for u in flow_choice.units), 1)
+        chosen = choose_depth(flow_choice, link, per_element, headroom_bytes=int(self.runtime.memory_info()[0]))
+        self.layout = dataclasses.replace(self.layout, flow=dataclasses.replace(self.layout.flow, depth=chosen.depth),
+                                          flow_choice=chosen)
+        self.flow.plan = self.layout.flow
+        logger.info("SuperOffload weight-flow: prefetch depth %d (link %.1f GB/s, forward %.4fs): predicted exposed "
+                    "transfer %.4fs a step", chosen.depth, link / 1e9, workload.forward_s, chosen.exposed_s)
 
     def adopt_learned(self, learned: dict) -> None:
         """Take the plan a checkpoint's optimizer had learned (so a resumed run continues

@@ -71,7 +71,7 @@ def _size(dtype: torch.dtype) -> int:
 @dataclass(frozen=True)
 class BufferPolicy:
     """The engine's decisions that fix which buffers exist, their dtypes and whether they are
-    page-locked (from the config and the runtime; see LayoutBuilder)."""
+    page-locked (from the config and the runtime; see engine/layout.py decide_layout)."""
 
     device_dtype: torch.dtype
     link_dtype: torch.dtype  # the dtype in which gradients cross to the host

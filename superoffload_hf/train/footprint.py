@@ -70,6 +70,10 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     lines.append(weights_line(model, params, config))
     lines.append(activation_offload_line(recipe, model_config, config.activation_offload,
                                          DTYPES[config.device_dtype].itemsize, not accelerator))
+    tokens = int(t.get("per_device_train_batch_size", 8)) * recipe.data.seq_len
+    if accelerator and shard_world is None:
+        lines.append(flow_choice_lines(model, params, groups, config, tokens,
+                                       int(t.get("gradient_accumulation_steps", 1))))
     lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
@@ -131,6 +135,56 @@ def weights_line(model, params, config) -> str:
     if plan.stationary:
         line += f"; on the device under flow too - {', '.join(plan.stationary)}"
     return line
+
+
+H200 = {"name": "one H200", "device_bytes": 141 * 10**9, "link_gbps": 55.0, "flops": 989e12, "utilisation": 0.4}
+"""The device the dry run decides weight-flow for (assumed, not measured: 141 GB of device memory;
+PCIe Gen5 x16 page-locked host-to-device copies at 55 GB/s; 989 TFLOP/s dense bf16, of which the
+forward and backward reach 40%). `superoffload probe` measures a machine's link."""
+
+
+def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_steps: int = 1,
+                      device: Optional[dict] = None) -> str:
+    """What `weights` ("auto" where the config says "stationary") decides on `device` (default
+    H200): the layout value the engine would run with there, which units flow, the device peak
+    with and without flow and the predicted exposed transfer time at `tokens` a micro-batch
+    (engine/layout.py decide_layout, engine/flow_choice.py: the engine's own decision)."""
+    from superoffload_hf.engine.flow_choice import choose_depth
+    from superoffload_hf.engine.layout import decide_layout, dry_run_machine
+
+    device = device or H200
+    machine = dry_run_machine(True, config.pin_memory, free_bytes=device["device_bytes"],
+                              total_bytes=device["device_bytes"], params_counted=True, h2d_gbps=device["link_gbps"])
+    what = (f"{device['name']} ({device['device_bytes'] / 1e9:.0f} GB, {device['link_gbps']:g} GB/s host-to-device, "
+            f"{device['utilisation']:.0%} of {device['flops'] / 1e12:.0f} TFLOP/s assumed; {tokens} tokens a micro-batch)")
+    mode = "auto" if config.weights == "stationary" else config.weights
+    try:
+        chosen = config.replace(weights=mode, device_buckets="auto" if mode == "auto" else config.device_buckets)
+        layout = decide_layout(params, groups, chosen, machine, model, accumulation_steps)
+        forced = decide_layout(params, groups, chosen.replace(weights="flow", device_buckets="auto"), machine, model,
+                               accumulation_steps)
+    except ValueError as error:  # (a combination weight-flow does not do yet: the message says which)
+        return f"  on {what} weight-flow is not decided - {str(error).split('.')[0].replace(': ', ' - ')}"
+    choice = layout.flow_choice or forced.flow_choice
+    per_element = 2 * tokens / (device["flops"] * device["utilisation"])  # forward seconds per multiply element
+    timed = choose_depth(choice, device["link_gbps"] * 1e9, per_element,
+                         headroom_bytes=max(0, device["device_bytes"] - choice.peak_flow))
+    compute = 3 * per_element * sum(u.compute for u in choice.units)  # forward + backward
+    flows = sum(choice.flowing) if layout.flow_choice is not None else 0
+    head = (f"  on {what} weights {mode} flows {flows} of {len(choice.units)} units"
+            + ("" if layout.flow_choice is not None else " (every unit fits on the device)"))
+    lines = [head, f"    device peak {choice.peak_stationary / 1e9:.3f} GB stationary, "
+             f"{forced.flow_choice.peak_flow / 1e9:.3f} GB with every unit flowing"
+             + (f", {timed.peak_flow / 1e9:.3f} GB as chosen at prefetch depth {timed.depth}" if flows else "")
+             + f" (activations {config.device_activation_bytes / 1e9:.3f} GB counted, config device_activation_bytes)"]
+    every = choose_depth(forced.flow_choice, device["link_gbps"] * 1e9, per_element,
+                         headroom_bytes=max(0, device["device_bytes"] - forced.flow_choice.peak_flow))
+    exposed = timed.exposed_s if flows else 0.0
+    lines.append(f"    predicted exposed transfer {exposed * 1e3:.1f} ms a step ({exposed / max(compute, 1e-12):.1%} of "
+                 f"{compute * 1e3:.1f} ms of forward and backward compute); every unit flowing "
+                 f"{every.exposed_s * 1e3:.1f} ms at prefetch depth {every.depth}")
+    lines += ["    " + line.strip() for line in str(layout).splitlines()]
+    return "\n".join(lines)
 
 
 def host_check_line(rows, device_is_host: bool) -> str:

@@ -1,0 +1,271 @@
+"""Which units' weights flow (config `weights`) and how deep the prefetch goes, decided before
+anything is allocated from the layout's device memory (engine/memory.py footprint, the
+activations as given) against the device's free memory, and the depth again after the first
+step from the measured link and forward time (engine/core.py _learn).
+
+* `decide_weights`: "stationary" or "flow" for the run; "stationary" that does not fit is refused.
+* `choose_flow` ("auto"): the fewest units flowing that fit, the units whose fetch hides best
+  first (`hiding_order`: forward compute per byte fetched).
+* `choose_depth`: the shallowest prefetch that hides what a deeper one would (`exposed_seconds`,
+  a simulation of the forward and backward on one link), within the device memory left.
+
+Pure given the machine's facts (engine/layout.py MachineFacts): no device calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+def choose_weights(choice: str, weight_bytes: int, buffer_bytes: int, free_bytes: int, total_bytes: int) -> str:
+    """"auto": flow when the weights and the engine's device buffers do not fit in the free device
+    memory; "stationary" that does not fit is refused here, before anything is trained."""
+    fits = weight_bytes + buffer_bytes <= free_bytes
+    if choice == "auto":
+        return "stationary" if fits else "flow"
+    if choice == "stationary" and not fits:
+        raise torch.OutOfMemoryError(
+            f"`weights: stationary` keeps {weight_bytes} bytes of weights on the device, plus {buffer_bytes} "
+            f"bytes of the engine's device buffers and the activations, but {free_bytes} of the device's {total_bytes} bytes are "
+            "free. Set `weights: flow` (or \"auto\") to stream the weights from the host block by block, or "
+            "use a device with more memory.")
+    return choice
+
+
+def decide_weights(choice: str, plan, stationary_policy, machine, model: Optional[torch.nn.Module],
+                   activation_bytes: int = 0) -> str:
+    """"stationary" or "flow" (config `weights`: `choice`) for this run: what the stationary layout
+    (`plan` under `stationary_policy`) puts on the device against the device's free memory
+    (`machine`: engine/layout.py MachineFacts) and `activation_bytes`. On the CPU device nothing is checked (the host
+    memory check covers it), nor where the device's memory is not known (the dry run's default)."""
+    from superoffload_hf.engine.memory import footprint
+
+    if not machine.host_is_device and machine.free_bytes is not None:
+        rows = footprint(plan, stationary_policy)
+        weight_bytes = sum(r.nbytes for r in rows if r.what == "device params")
+        buffer_bytes = sum(r.nbytes for r in rows if r.place == "device" and r.what != "device params")
+        free = machine.free_bytes
+        if not machine.params_counted:  # a real device: the model is on it
+            free += weight_bytes
+        choice = choose_weights(choice, weight_bytes, buffer_bytes + activation_bytes, free, machine.total_bytes)
+    elif choice == "auto":
+        choice = "stationary"  # the device is the host (nothing to free), or its memory is unknown
+    check_model_given(choice, model)
+    return choice
+
+
+def check_model_given(choice: str, model) -> None:
+    if choice == "flow" and model is None:
+        raise ValueError("`weights` is \"flow\" (or \"auto\" chose it) but the optimizer was not given the model: "
+                         "weight-flow hooks the model's blocks. Pass `model=model` to SuperOffloadAdamW (the "
+                         "Trainer and Accelerate integrations do), or set `weights: stationary`.")
+
+
+# ---- per unit: which units flow, at which prefetch depth ---------------------------------------
+
+MAX_DEPTH = 4
+"""The deepest prefetch `choose_depth` considers (units fetched ahead of the one running)."""
+DEPTH_TOLERANCE = 0.01
+"""A deeper prefetch must hide more than this fraction of the step's exposed transfer time to be
+chosen: every unit fetched ahead holds its weights on the device."""
+BACKWARD_FACTOR = 2.0
+"""A unit's backward computes about twice its forward (the gradients of its inputs and of its
+weights)."""
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit (engine/flow.py UnitSpec) as the choice sees it, in forward order."""
+
+    name: str
+    nbytes: int  # device bytes of its weights: what a fetch moves
+    compute: int  # its forward's matrix-multiply elements (weights of its non-embedding layers): FLOPs / (2 x tokens)
+
+
+@dataclass(frozen=True)
+class FlowChoice:
+    """Which units flow and how deep the prefetch goes, with the device memory it predicts (pure
+    data: `choose_flow` and `choose_depth` make it, the Layout holds it, the dry run prints it)."""
+
+    units: tuple[UnitCost, ...]  # every unit that may flow, in forward order
+    flowing: tuple[bool, ...]  # per unit
+    depth: int
+    other_bytes: int  # on the device besides the weights: the engine's buffers and the activations
+    activation_bytes: int
+    free_bytes: Optional[int]  # the device memory the choice fits into (None: not known)
+    exposed_s: Optional[float] = None  # predicted exposed transfer seconds per step (None: not timed yet)
+    reason: str = ""
+
+    @property
+    def flowing_names(self) -> tuple[str, ...]:
+        return tuple(u.name for u, f in zip(self.units, self.flowing) if f)
+
+    @property
+    def peak_stationary(self) -> int:
+        """The device's weights and other bytes with every unit on the device."""
+        return sum(u.nbytes for u in self.units) + self.other_bytes
+
+    @property
+    def peak_flow(self) -> int:
+        return device_peak(self.units, self.flowing, self.depth, self.other_bytes)
+
+    def describe(self) -> str:
+        n = sum(self.flowing)
+        exposed = ("not predicted yet (after step 1, from the measured link and forward)" if self.exposed_s is None
+                   else f"{self.exposed_s * 1e3:.2f} ms a step")
+        free = "" if self.free_bytes is None else f" of {self.free_bytes / 1e6:.3f} MB free"
+        return (f"flow choice {n} of {len(self.units)} units flow, prefetch depth {self.depth}; device peak "
+                f"{self.peak_flow / 1e6:.3f} MB with flow, {self.peak_stationary / 1e6:.3f} MB stationary{free} "
+                f"(activations {self.activation_bytes / 1e6:.3f} MB counted); exposed transfer {exposed}"
+                + (f" ({self.reason})" if self.reason else ""))
+
+
+def device_peak(units: Sequence[UnitCost], flowing: Sequence[bool], depth: int, other_bytes: int) -> int:
+    """The stationary units' weights, the flowing window (engine/flow.py FlowPlan.peak_bytes: a
+    unit and the `depth` after it in forward order) and `other_bytes`."""
+    from superoffload_hf.engine.flow import FlowPlan, UnitSpec
+
+    kept = sum(u.nbytes for u, f in zip(units, flowing) if not f)
+    window = FlowPlan(tuple(UnitSpec(u.name, (), u.nbytes) for u, f in zip(units, flowing) if f), (), depth)
+    return kept + window.peak_bytes + other_bytes
+
+
+def hiding_order(units: Sequence[UnitCost]) -> list[int]:
+    """Unit indices, the unit whose fetch hides best first: the most forward compute per byte
+    fetched (the link is one rate, so this is compute time per fetch time; an embedding, a gather
+    with no multiply, hides worst). Among equal units (the decoder blocks) spread out: first, the
+    middle and ends, halving the gaps (`spread_order`), so that the stationary ones between two
+    flowing ones give the later fetch their compute too."""
+    ratio = [round(u.compute / max(u.nbytes, 1), 9) for u in units]
+    groups: dict[float, list[int]] = {}
+    for i, r in enumerate(ratio):
+        groups.setdefault(r, []).append(i)
+    order = []
+    for r in sorted(groups, reverse=True):
+        members = groups[r]
+        order += [members[k] for k in spread_order(len(members))]
+    return order
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1, each prefix as evenly spread over the range as the prefixes before it allow:
+    0, then n-1, then the middle, then the middles of the halves, ... (8: 0 7 3 1 5 2 4 6)."""
+    if n <= 2:
+        return list(range(n))
+    order, seen = [0, n - 1], {0, n - 1}
+    gaps = [(0, n - 1)]
+    while len(order) < n:
+        next_gaps = []
+        for lo, hi in gaps:
+            if hi - lo < 2:
+                continue
+            mid = (lo + hi) // 2
+            if mid not in seen:
+                seen.add(mid)
+                order.append(mid)
+            next_gaps += [(lo, mid), (mid, hi)]
+        if not next_gaps:
+            break
+        gaps = next_gaps
+    return order + [i for i in range(n) if i not in seen]
+
+
+def choose_flow(mode: str, units: Sequence[UnitCost], *, other_bytes: int, activation_bytes: int = 0,
+                free_bytes: Optional[int], depth: int = 1) -> FlowChoice:
+    """`mode` "flow": every unit flows. "auto": the fewest units flowing that fit `free_bytes`,
+    taken in `hiding_order`; every unit when even that does not fit (the run may then run out of
+    device memory: the message names the numbers). `other_bytes` includes `activation_bytes`."""
+    flowing = [mode == "flow"] * len(units)
+    reason = "weights flow, every unit"
+    if mode == "auto":
+        reason = "weights auto"
+        for i in hiding_order(units):
+            if free_bytes is not None and device_peak(units, flowing, depth, other_bytes) <= free_bytes:
+                break
+            flowing[i] = True
+        if free_bytes is not None and device_peak(units, flowing, depth, other_bytes) > free_bytes:
+            reason += ", does not fit even with every unit flowing"
+    return FlowChoice(tuple(units), tuple(flowing), depth, other_bytes, activation_bytes, free_bytes, None, reason)
+
+
+def exposed_seconds(units: Sequence[UnitCost], flowing: Sequence[bool], depth: int, link_bytes_per_s: float,
+                    seconds_per_compute: float, backward_factor: float = BACKWARD_FACTOR) -> float:
+    """Predicted device seconds a step waits for fetches: forward in forward order, then backward
+    in reverse (`backward_factor` x the forward compute), as engine/flow.py runs them. At the start
+    of a flowing unit the flow stream is given its fetch (if not issued yet) and the next `depth`
+    flowing units' fetches; one link, one fetch at a time; the unit starts when its fetch is done."""
+    n = len(units)
+    fetch = [u.nbytes / link_bytes_per_s for u in units]
+
+    def one_pass(sequence: list[int], factor: float) -> float:
+        flows = [i for i in sequence if flowing[i]]
+        at = {i: k for k, i in enumerate(flows)}
+        t = link = exposed = 0.0
+        done: dict[int, float] = {}
+        for i in sequence:
+            if flowing[i]:
+                for j in flows[at[i]:at[i] + depth + 1]:
+                    if j not in done:
+                        link = max(t, link) + fetch[j]
+                        done[j] = link
+                wait = max(0.0, done[i] - t)
+                exposed, t = exposed + wait, t + wait
+            t += units[i].compute * seconds_per_compute * factor
+        return exposed
+
+    return one_pass(list(range(n)), 1.0) + one_pass(list(range(n - 1, -1, -1)), backward_factor)
+
+
+def choose_depth(choice: FlowChoice, link_bytes_per_s: float, seconds_per_compute: float,
+                 headroom_bytes: Optional[int] = None, max_depth: int = MAX_DEPTH) -> FlowChoice:
+    """The shallowest prefetch within DEPTH_TOLERANCE of the least exposed transfer time, among the
+    depths whose extra window (over `choice.depth`'s) fits `headroom_bytes` (None: no limit).
+    Deeper helps where a unit's fetch takes longer than the compute before its use and slower
+    units come first (the head's backward, stationary units between flowing ones)."""
+    base = choice.peak_flow
+    times = {}
+    for depth in range(1, max_depth + 1):
+        extra = device_peak(choice.units, choice.flowing, depth, choice.other_bytes) - base
+        if depth > 1 and headroom_bytes is not None and extra > headroom_bytes:
+            break
+        times[depth] = exposed_seconds(choice.units, choice.flowing, depth, link_bytes_per_s, seconds_per_compute)
+    best = min(times.values())
+    depth = min(d for d, s in times.items() if s <= best + DEPTH_TOLERANCE * max(best, 1e-12))
+    return dataclasses.replace(choice, depth=depth, exposed_s=times[depth])
+
+
+def unit_costs(model: torch.nn.Module, specs) -> list[UnitCost]:
+    """`specs` (engine/flow.py UnitSpec) as UnitCosts, in forward order (the order the units'
+    first modules are registered in: embedding, blocks, norm, head for transformers' models)."""
+    from superoffload_hf.engine.flow import find_units
+
+    roots = dict(find_units(model))
+    position = {id(m): k for k, m in enumerate(model.modules())}
+    costs = []
+    for spec in specs:
+        seen, compute = set(), 0
+        for root in roots[spec.name]:
+            for module in root.modules():
+                if isinstance(module, torch.nn.Embedding):
+                    continue
+                for p in module.parameters(recurse=False):
+                    if p.ndim >= 2 and id(p) not in seen:
+                        seen.add(id(p))
+                        compute += p.numel()
+        first = min(position[id(m)] for m in roots[spec.name])
+        costs.append((first, UnitCost(spec.name, spec.nbytes, compute)))
+    return [cost for _, cost in sorted(costs, key=lambda c: c[0])]
+
+
+def flow_plan_of(plan, choice: FlowChoice):
+    """`plan` (every unit that may flow, engine/flow.py FlowPlan) narrowed to the chosen units, in
+    forward order, at the chosen depth; the others join its stationary list, with the reason."""
+    from superoffload_hf.engine.flow import FlowPlan
+
+    spec_of = {u.name: u for u in plan.units}
+    kept = tuple(f"{u.name} (weights auto: fits on the device)" for u, f in zip(choice.units, choice.flowing) if not f)
+    return FlowPlan(tuple(spec_of[name] for name in choice.flowing_names), plan.stationary + kept, choice.depth)
