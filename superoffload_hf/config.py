@@ -22,6 +22,10 @@ DEVICE_DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 HOST_KERNEL_CHOICES = ("auto", "cpp", "reference")
 STATE_PRECISION_CHOICES = ("fp32", "compact", "compact32")
 WEIGHTS_CHOICES = ("stationary", "flow", "auto")
+TILED_CHOICES = ("auto", "on", "off")
+TILED_LOSS_CHUNK_TOKENS = 1024  # at a 128K vocabulary: 0.5 GiB of fp32 logits per chunk
+TILED_MLP_CHUNK_TOKENS = 4096
+TILED_AUTO_SHARE = 0.125  # "auto" tiles a term larger than this share of the free device memory
 
 
 class ConfigError(ValueError):

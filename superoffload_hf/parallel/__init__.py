@@ -1,0 +1,1 @@
+"""Long sequences: sequence parallelism, activation offload, and the sequence-tiled loss and MLP."""
