@@ -88,9 +88,9 @@ class _TiledHeadLoss(torch.autograd.Function):
         ctx.chunk_tokens, ctx.ignore_index = chunk_tokens, ignore_index
         total = torch.zeros((), dtype=torch.float32, device=hidden_flat.device)
         for start, end in _live_chunks(labels_flat, chunk_tokens, ignore_index):
-            logits_fp32 = F.linear(hidden_flat[start:end], weight, bias).float()
+            logits_fp32 = F.linear(hidden_flat[start:end], weight, bias).float()  # one chunk's logits at a time
             total += F.cross_entropy(logits_fp32, labels_flat[start:end], ignore_index=ignore_index, reduction="sum")
-            del logits_fp32  # one chunk's logits at a time
+            del logits_fp32
         return total
 
     @staticmethod
@@ -105,10 +105,9 @@ class _TiledHeadLoss(torch.autograd.Function):
         bias_leaf = None if bias is None else bias.detach().requires_grad_(need_bias)
         for start, end in _live_chunks(labels_flat, ctx.chunk_tokens, ctx.ignore_index):
             hidden_leaf = hidden_flat[start:end].detach().requires_grad_(need_hidden)
-            with torch.enable_grad():
-                logits_fp32 = F.linear(hidden_leaf, weight_leaf, bias_leaf).float()
-                loss = F.cross_entropy(logits_fp32, labels_flat[start:end], ignore_index=ctx.ignore_index,
-                                       reduction="sum")
+            with torch.enable_grad():  # (the logits are not held: the graph keeps only their log-softmax)
+                loss = F.cross_entropy(F.linear(hidden_leaf, weight_leaf, bias_leaf).float(), labels_flat[start:end],
+                                       ignore_index=ctx.ignore_index, reduction="sum")
             wanted = [t for t, need in ((hidden_leaf, need_hidden), (weight_leaf, need_weight),
                                         (bias_leaf, need_bias)) if need]
             grads = list(torch.autograd.grad(loss, wanted, grad_total))
@@ -118,7 +117,7 @@ class _TiledHeadLoss(torch.autograd.Function):
                 grad_weight_fp32 += grads.pop(0)
             if need_bias:
                 grad_bias_fp32 += grads.pop(0)
-            del logits_fp32, loss, grads
+            del loss, grads
         grad_weight = None if grad_weight_fp32 is None else grad_weight_fp32.to(weight.dtype)
         grad_bias = None if grad_bias_fp32 is None else grad_bias_fp32.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None

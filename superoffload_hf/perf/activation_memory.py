@@ -17,12 +17,16 @@ dimension, V vocabulary):
   logsumexp (H, fp32), the residual sum the second norm saves (h): a flash-style attention
   (sdpa's flash / memory-efficient kernel, flash-attention) that keeps no S x S matrix.
 * each RMSNorm: its fp32 upcast of the input (h * 4 bytes, when e < 4; in fp32 the input
-  itself, already counted) and the rsqrt (1 fp32).
-* MLP half: the normed input (h), gate, up, silu(gate) and their product (4 * i).
+  itself, already counted), the rsqrt (1 fp32) and the normalised input before its weight (h).
+* MLP half: the normed input (h) and the second norm's upcast, gate, up, silu(gate) and their
+  product (4 * i).
 * backward of one block: the gradient of the residual stream in and out (2 * h) and the
   MLP's intermediate gradients (2 * i, the largest live at once).
-* loss: the logits (V, in e), their fp32 log-softmax (V * 4), and in backward the fp32
-  gradients of both (2 * V * 4): `T * V * (e + 12)` bytes for T tokens.
+* loss: the head's input and its gradient (2 * h), the final norm's upcast; per logit 12
+  bytes at the loss's peak: three fp32 tensors of tokens x V (fp32: the logits, their
+  log-softmax and its gradient; bf16: the bf16 logits and their fp32 upcast, the log-softmax
+  and the gradients, not all live at once), measured 12.3 (fp32) and 12.2 (bf16) bytes per
+  logit with testing/alloc_peak.py.
 
 With gradient checkpointing each block keeps only its input (h) until its backward recomputes
 it; the peak is then the kept inputs plus the larger of the loss phase (all logits live at the
@@ -30,12 +34,13 @@ end of forward) and one block's recompute (its saved tensors and backward transi
 Without checkpointing every block's saved tensors are live when the loss is computed.
 
 Switches: `tiled_loss` computes the head and cross-entropy `loss_chunk` tokens at a time
-(parallel/tiled_loss.py): the loss term shrinks to one chunk, plus the fp32 gradient of the
-head's input (T * h * 4). `tiled_mlp` computes the MLP `mlp_chunk` tokens at a time with
-recomputation (parallel/tiled_mlp.py): its intermediate (5 * i with the gradients' 2) shrinks
-to one chunk; the MLP's input (h) stays saved. `activation_offload` moves the checkpointed
-block inputs to host memory as forward produces them; `offload_in_flight` of them stay on the
-device (one being written, one prefetched for recomputation). `sequence_parallel_size` N
+(parallel/tiled_loss.py): the logits part shrinks to one chunk, plus the head's gradient summed
+in fp32 and one chunk's (V * h * (4 + e)). `tiled_mlp` computes the MLP `mlp_chunk` tokens at a
+time with recomputation (parallel/tiled_mlp.py): a block saves only the MLP's input, and one
+chunk's intermediate and their gradients exist during one block's backward, plus the MLP weights' gradients summed in fp32 and one chunk's (3 * h * i * (4 + e)).
+`activation_offload` moves the checkpointed block inputs to host memory as forward produces
+them; `offload_in_flight` of them stay on the device (one being written, one prefetched for
+recomputation). `sequence_parallel_size` N
 splits the sequence: each device holds T = micro_batch * seq_len / N tokens of every term;
 Ulysses attention runs the full sequence on H/N query heads (the same element count) and
 max(K, N)/N key/value heads (heads replicated when N exceeds them).
@@ -47,9 +52,10 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from superoffload_hf.config import TILED_LOSS_CHUNK_TOKENS, TILED_MLP_CHUNK_TOKENS
+
 FP32_BYTES = 4
-DEFAULT_LOSS_CHUNK = 4096  # tokens per chunk of the tiled loss (parallel/tiled_loss.py uses the same)
-DEFAULT_MLP_CHUNK = 8192  # tokens per chunk of the tiled MLP
+LOGIT_BYTES = 12  # per logit at the loss's peak, in bf16 and fp32 alike (see the docstring)
 OFFLOAD_IN_FLIGHT = 2  # checkpointed inputs on the device under activation offload
 
 
@@ -84,8 +90,8 @@ class ActivationTerms:
     checkpointed_inputs: int  # block inputs kept for recomputation on the device
     offloaded_inputs: int  # block inputs held in host memory instead (activation offload; not in total)
     attention: int  # the attention halves' saved tensors of the blocks live at once
-    mlp: int  # the MLP halves' saved tensors (one chunk's intermediate under tiled_mlp)
-    backward: int  # one block's backward transients (residual gradients, MLP gradients)
+    mlp: int  # the MLP halves' saved tensors (under tiled_mlp: their inputs only)
+    backward: int  # one block's backward transients (residual and MLP gradients; tiled_mlp's chunk)
     loss: int  # logits, their fp32 log-softmax and gradients (one chunk under tiled_loss)
     blocks_live: int  # blocks whose saved tensors are live at once (1 with checkpointing)
     total: int  # the estimated peak
@@ -98,8 +104,8 @@ class ActivationTerms:
 def estimate_activations(config: Any, micro_batch: int, seq_len: int, dtype_bytes: int = 2, *,
                          gradient_checkpointing: bool = True, tiled_loss: bool = False,
                          tiled_mlp: bool = False, activation_offload: bool = False,
-                         sequence_parallel_size: int = 1, loss_chunk: int = DEFAULT_LOSS_CHUNK,
-                         mlp_chunk: int = DEFAULT_MLP_CHUNK,
+                         sequence_parallel_size: int = 1, loss_chunk: int = TILED_LOSS_CHUNK_TOKENS,
+                         mlp_chunk: int = TILED_MLP_CHUNK_TOKENS,
                          offload_in_flight: int = OFFLOAD_IN_FLIGHT) -> ActivationTerms:
     """The device activation bytes of one micro-batch's forward + backward.
 
@@ -120,16 +126,23 @@ def estimate_activations(config: Any, micro_batch: int, seq_len: int, dtype_byte
     tokens = math.ceil(micro_batch * seq_len / n)
     e, h, i = dtype_bytes, shape.hidden, shape.intermediate
     kv_width = shape.head_dim * max(shape.kv_heads, n)  # per local token: heads replicated when n > K
-    norm_upcast = (h * FP32_BYTES if e < FP32_BYTES else 0) + FP32_BYTES  # fp32 input copy + rsqrt
+    # each RMSNorm: its input's fp32 upcast (the input itself in fp32), rsqrt, x * rsqrt in e
+    norm_upcast = (h * FP32_BYTES if e < FP32_BYTES else 0) + FP32_BYTES + e * h
     attention_per_token = (e * (3 * h + shape.heads * shape.head_dim + 2 * kv_width)
                            + FP32_BYTES * shape.heads + norm_upcast)
-    mlp_tokens = min(tokens, mlp_chunk) if tiled_mlp else tokens
-    mlp_bytes = e * h * tokens + (e * 4 * i + norm_upcast) * mlp_tokens
-    backward = e * 2 * h * tokens + e * 2 * i * mlp_tokens
+    mlp_bytes = (e * h + norm_upcast) * tokens  # the normed input and the second norm's upcast
+    backward = e * 2 * h * tokens
+    if tiled_mlp:  # one chunk's intermediate, recomputed in backward; the weights' gradients
+        # summed in fp32 over chunks, and one chunk's
+        backward += e * (4 + 2) * i * min(tokens, mlp_chunk) + 3 * h * i * (FP32_BYTES + e)
+    else:
+        mlp_bytes += e * 4 * i * tokens
+        backward += e * 2 * i * tokens
     loss_tokens = min(tokens, loss_chunk) if tiled_loss else tokens
-    loss = loss_tokens * shape.vocab * (e + 3 * FP32_BYTES)
-    if tiled_loss:
-        loss += tokens * h * FP32_BYTES  # the fp32 gradient of the head's input, accumulated per chunk
+    # the head's input, the final norm's fp32 upcast and the input's gradient
+    loss = (2 * e * h + norm_upcast) * tokens + loss_tokens * shape.vocab * LOGIT_BYTES
+    if tiled_loss:  # the head's gradient summed in fp32 over chunks, and one chunk's
+        loss += shape.vocab * h * (FP32_BYTES + e)
     block_input = e * h * tokens
     if gradient_checkpointing:
         kept = offload_in_flight if activation_offload else shape.layers
