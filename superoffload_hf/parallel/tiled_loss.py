@@ -138,9 +138,11 @@ def _live_chunks(labels_flat: torch.Tensor, chunk_tokens: int, ignore_index: int
 
 
 def apply_tiled_loss(model: torch.nn.Module, chunk_tokens: int = TILED_LOSS_CHUNK_TOKENS,
-                     return_logits: bool = False) -> torch.nn.Module:
+                     return_logits: bool = False, decide=None) -> torch.nn.Module:
     """Compute `model`'s loss with the tiled loss whenever labels are given (see the module
-    docstring); returns the model. Applying it twice is an error (remove_tiled_loss undoes it)."""
+    docstring); returns the model. Applying it twice is an error (remove_tiled_loss undoes it).
+    `decide(kwargs) -> bool`: called once, at the first forward with labels (its keyword
+    arguments); False keeps the model's own forward from then on (parallel/tiling.py "auto")."""
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
         raise ValueError(f"`chunk_tokens` is {chunk_tokens!r}; expected an integer >= 1.")
     if hasattr(model, _WRAPPED):
@@ -152,11 +154,17 @@ def apply_tiled_loss(model: torch.nn.Module, chunk_tokens: int = TILED_LOSS_CHUN
     positional = [name for name, p in parameters.items()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
+    decided = [None if decide is not None else True]  # the decision, made once
+
     def tiled_loss_forward(self, *args, **kwargs):
         kwargs.update(zip(positional, args))  # named, as the decoder takes them
-        labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
-        if labels is None and shift_labels is None:
+        if kwargs.get("labels") is None and kwargs.get("shift_labels") is None:
             return own_forward(**kwargs)
+        if decided[0] is None:
+            decided[0] = bool(decide(kwargs))
+        if not decided[0]:
+            return own_forward(**kwargs)
+        labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
         num_items = kwargs.pop("num_items_in_batch", None)
         ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
         kwargs.pop("logits_to_keep", None)  # the loss needs every position
