@@ -96,3 +96,18 @@ def test_a_trainer_run_with_the_tiled_loss_and_mlp_on_equals_it_off(tmp_path):
     assert_close(runs["on"][0], runs["off"][0], rtol=1e-5, atol=1e-6)
     for name, value in runs["off"][1].items():
         assert_close(runs["on"][1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_dry_run_prints_the_activation_terms_and_the_switches_decisions(capsys):
+    from superoffload_hf.cli import main
+
+    assert main(["train", "llama3.1-8b", "--dry-run", "--data.seq_len", "65536"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("  activations of 1 x 65536 tokens (bf16, gradient "
+                                                            "checkpointing on) "))
+    assert all(f"{name} " in line for name in ("checkpointed_inputs", "attention", "mlp", "backward", "loss"))
+    # 65536 x 128256 logits at 12 bytes (101 GB) against 1/8 of (141 - 16.06) GB: the loss is tiled
+    assert "tiled_loss auto, tiled_mlp auto - against an H200's 141 GB less the stationary weights, tiled loss on, " \
+           "tiled MLP off (auto at 1 x 65536 tokens" in out, out
+    assert main(["train", "tiny_llama_cpu", "--dry-run"]) == 0
+    assert "tiled loss off, tiled MLP off (auto - off on the CPU device)" in capsys.readouterr().out

@@ -59,8 +59,9 @@ def choose_tiling(tiled_loss: str, tiled_mlp: str, device_is_host: bool, *, mode
     limit = TILED_AUTO_SHARE * free_device_bytes
     loss = tiled_loss == "on" or (tiled_loss == AUTO and loss_bytes > limit)
     mlp = tiled_mlp == "on" or (tiled_mlp == AUTO and mlp_bytes > limit)
-    reason = (f"auto at {micro_batch} x {seq_len} tokens: untiled logits {loss_bytes / 1e9:.2f} GB, one block's MLP "
-              f"{mlp_bytes / 1e9:.2f} GB, against 1/{round(1 / TILED_AUTO_SHARE)} of {free_device_bytes / 1e9:.2f} GB free")
+    reason = (f"auto at {micro_batch} x {seq_len} tokens: tiling saves {loss_bytes / 1e9:.2f} GB of logits and "
+              f"{mlp_bytes / 1e9:.2f} GB of one block's MLP, against 1/{round(1 / TILED_AUTO_SHARE)} of "
+              f"{free_device_bytes / 1e9:.2f} GB free")
     return TilingChoice(loss, mlp, reason)
 
 
