@@ -111,3 +111,36 @@ def test_the_dry_run_prints_the_activation_terms_and_the_switches_decisions(caps
            "tiled MLP off (auto at 1 x 65536 tokens" in out, out
     assert main(["train", "tiny_llama_cpu", "--dry-run"]) == 0
     assert "tiled loss off, tiled MLP off (auto - off on the CPU device)" in capsys.readouterr().out
+
+
+def _train_with(tiled: bool, weights: str, checkpointing: bool) -> dict:
+    from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.parallel.tiled_loss import apply_tiled_loss
+    from superoffload_hf.parallel.tiled_mlp import apply_tiled_mlp
+    from tests._models import engine_config, micro_batches, read_params
+
+    model = tiny_llama(num_layers=2)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if tiled:
+        apply_tiled_mlp(apply_tiled_loss(model, chunk_tokens=7), chunk_tokens=5)
+    opt = SuperOffloadAdamW(model.parameters(), lr=1e-2, model=model, max_grad_norm=1.0,
+                            config=engine_config(device_buckets=0, weights=weights, speculation="on"))
+    with opt:
+        for step in range(3):
+            (batch,) = micro_batches(step)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {name: p.detach().clone() for name, p in read_params(model).items()}
+
+
+@pytest.mark.usefixtures("device_mode")
+@pytest.mark.parametrize("weights,checkpointing", [("stationary", False), ("flow", True)])
+def test_the_engine_trains_the_tiled_model_like_the_untiled_one(weights, checkpointing):
+    """The engine's per-parameter gradient hooks, weight-flow's fetch and release around the
+    blocks (the tiled MLP saves its weights for backward, no copy) and checkpointing's recompute
+    see the tiled loss and MLP; on the CPU device and the simulated one."""
+    expected, got = _train_with(False, "stationary", False), _train_with(True, weights, checkpointing)
+    for name, value in expected.items():
+        assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -11,7 +11,8 @@ backward: the head's input, the head's weight (no copy) and the labels. Chunks w
 predict are skipped (their gradient rows are exactly zero, as untiled).
 
 `apply_tiled_loss(model)` wraps one transformers causal LM's forward (the instance's, not its
-class): with `labels` (or pre-shifted `shift_labels`) it runs the decoder, then the tiled loss on
+class; and its head's, so that the loss is computed inside a call of the head module, whose hooks,
+weight-flow's among them, then run around it): with `labels` (or pre-shifted `shift_labels`) it runs the decoder, then the tiled loss on
 the head's weight (tied embeddings: the same Parameter, so both uses accumulate into its grad),
 and returns a CausalLMOutputWithPast whose `logits` are None; `return_logits=True` adds the full
 logits computed without a graph (for evaluation metrics; they cost the full logits' memory).
@@ -170,9 +171,11 @@ def apply_tiled_loss(model: torch.nn.Module, chunk_tokens: int = TILED_LOSS_CHUN
         kwargs.pop("logits_to_keep", None)  # the loss needs every position
         outputs = decoder(**kwargs)
         hidden = outputs.last_hidden_state
-        loss = tiled_cross_entropy(hidden, head.weight, labels if shift_labels is None else shift_labels,
-                                   bias=head.bias, chunk_tokens=chunk_tokens, ignore_index=ignore_index,
-                                   shift=shift_labels is None, num_items_in_batch=num_items)
+        # through the head module's call, so that its hooks (weight-flow's fetch, release and
+        # backward fetch) see the loss as the head's output
+        loss = head(hidden, tiled_loss=dict(labels=labels if shift_labels is None else shift_labels,
+                                            chunk_tokens=chunk_tokens, ignore_index=ignore_index,
+                                            shift=shift_labels is None, num_items_in_batch=num_items))
         logits = None
         if return_logits:
             with torch.no_grad():
@@ -184,7 +187,15 @@ def apply_tiled_loss(model: torch.nn.Module, chunk_tokens: int = TILED_LOSS_CHUN
 
     setattr(model, _WRAPPED, own_forward)
     model.forward = types.MethodType(tiled_loss_forward, model)
+    head.forward = types.MethodType(_head_forward, head)
     return model
+
+
+def _head_forward(self, hidden, tiled_loss=None):
+    """The head's forward; with `tiled_loss` (tiled_cross_entropy's arguments), the tiled loss."""
+    if tiled_loss is None:
+        return type(self).forward(self, hidden)
+    return tiled_cross_entropy(hidden, self.weight, bias=self.bias, **tiled_loss)
 
 
 def remove_tiled_loss(model: torch.nn.Module) -> torch.nn.Module:
@@ -192,7 +203,8 @@ def remove_tiled_loss(model: torch.nn.Module) -> torch.nn.Module:
     if not hasattr(model, _WRAPPED):
         raise ValueError(f"{type(model).__name__} does not compute its loss tiled (apply_tiled_loss was not called).")
     delattr(model, _WRAPPED)
-    del model.forward  # the instance attribute: the class's forward shows again
+    del model.forward  # the instance attributes: the classes' forward shows again
+    del _head_and_decoder(model)[0].forward
     return model
 
 
