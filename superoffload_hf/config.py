@@ -105,10 +105,11 @@ class SuperOffloadConfig:
     the gradient produced per chunk, so that the full logits (tokens x vocabulary, 12 bytes per
     logit at their peak) never exist (superoffload_hf/parallel/tiled_loss.py; exact to rounding;
     costs one more head matmul in backward). The model's output then has no `logits`. "on",
-    "off", or "auto": on when the untiled loss's activations (perf/activation_memory.py) exceed
-    1/8 of the free device memory at the first training forward with labels; never on the CPU
-    device. Applied by the Trainer integration; plain loops call
-    `superoffload_hf.parallel.apply_tiled_loss(model)`."""
+    "off", or "auto": on when what it saves (the logits' part of the activation estimate,
+    perf/activation_memory.py) exceeds 1/8 of the free device memory at the first training
+    forward with labels; never on the CPU device; a model it cannot wrap is left alone. Applied
+    by the Trainer integration (parallel/tiling.py); plain loops call
+    `superoffload_hf.parallel.tiled_loss.apply_tiled_loss(model)`."""
 
     tiled_loss_chunk_tokens: int = TILED_LOSS_CHUNK_TOKENS
     """Tokens per chunk of the tiled loss (1024: 0.5 GiB of fp32 logits at a 128K vocabulary)."""
@@ -117,9 +118,10 @@ class SuperOffloadConfig:
     """Compute each decoder layer's MLP `tiled_mlp_chunk_tokens` tokens at a time, recomputing
     each chunk in backward, so that the intermediate (tokens x intermediate size) exists one
     chunk at a time (superoffload_hf/parallel/tiled_mlp.py; exact to rounding; costs one more
-    MLP forward in backward). "on", "off", or "auto": on when one block's untiled MLP
-    activations exceed 1/8 of the free device memory at the first training forward with labels;
-    never on the CPU device. Plain loops call `superoffload_hf.parallel.apply_tiled_mlp(model)`."""
+    MLP forward in backward). "on", "off", or "auto": on when what it saves in one block's
+    backward (less its fp32 sums of the MLP weights' gradients) exceeds 1/8 of the free device
+    memory at the first training forward with labels; never on the CPU device. Plain loops
+    call `superoffload_hf.parallel.tiled_mlp.apply_tiled_mlp(model)`."""
 
     tiled_mlp_chunk_tokens: int = TILED_MLP_CHUNK_TOKENS
     """Tokens per chunk of the tiled MLP."""

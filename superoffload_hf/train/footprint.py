@@ -50,7 +50,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     rows = footprint(plan, policy)  # every snapshot counted: the trade lines say what auto drops
     where = "an accelerator (cast auto = host, device_buckets auto = 0)" if accelerator else "the CPU"
     lines = [f"memory: {n / 1e9:.3f}B parameters, {len(plan.buckets)} buckets, on {where}; "
-             "activations and the device gradients of the model not included"]
+             "activations (after the table) and the device gradients of the model not included"]
     if shipped is not None:
         lines.append(f"  architecture from the shipped {shipped / 'config.json'} (no local copy of "
                      f"{recipe.model.name_or_path}'s config.json)")
