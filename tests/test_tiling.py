@@ -73,6 +73,11 @@ def test_on_for_a_model_the_tiling_cannot_wrap_is_an_error_and_auto_leaves_it():
     assert prepare_tiling(linear, SuperOffloadConfig(), False, lambda: 0) is None
     with pytest.raises(ValueError, match="tiled_loss: off"):
         prepare_tiling(linear, SuperOffloadConfig(tiled_loss="on", tiled_mlp="off"), True, lambda: 0)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    assert prepare_tiling(gpt2, SuperOffloadConfig(), False, lambda: 1) is None  # no Llama-style estimate
+    assert not is_tiled_loss(gpt2)
 
 
 def test_a_trainer_run_with_the_tiled_loss_and_mlp_on_equals_it_off(tmp_path):

@@ -134,7 +134,8 @@ class SuperOffloadHooks:
             weight_decay=args.weight_decay, max_grad_norm=max_grad_norm(args), config=config,
             model=model,  # weight-flow hooks its blocks (config `weights`)
         )
-        prepare_tiling(model, config, optimizer.host_is_device, lambda: optimizer.device_memory_info()[0])
+        weak = weakref.ref(optimizer)  # the model must not keep a dropped Trainer's optimizer alive
+        prepare_tiling(model, config, optimizer.host_is_device, lambda: weak().device_memory_info()[0])
         logger.info("%s replaces the Trainer's optimizer: param groups (weight_decay, tensors) %s, "
                     "max_grad_norm %s, device dtype %s", type(optimizer).__name__,
                     [(g["weight_decay"], len(g["params"])) for g in groups], max_grad_norm(args),

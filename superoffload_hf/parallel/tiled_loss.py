@@ -125,8 +125,8 @@ class _TiledHeadLoss(torch.autograd.Function):
 
 
 def _live_chunks(labels_flat: torch.Tensor, chunk_tokens: int, ignore_index: int):
-    """(start, end) of each chunk that has a label to predict. One host read of the labels' mask
-    per chunk boundary (a device sync on an accelerator, once per forward and once per backward)."""
+    """(start, end) of each chunk that has a label to predict. One host read of the chunks' mask:
+    a device synchronisation on an accelerator, once in forward and once in backward."""
     n = labels_flat.numel()
     if n == 0:
         return []

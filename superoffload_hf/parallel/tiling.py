@@ -70,10 +70,13 @@ def prepare_tiling(model, config: SuperOffloadConfig, device_is_host: bool,
     """Apply config `tiled_loss` / `tiled_mlp` to `model` (a transformers causal LM); returns the
     choice when made now, None when "auto" decides at the first forward with labels. "on" on a
     model the tiling cannot wrap is an error; "auto" leaves such a model alone."""
+    from superoffload_hf.perf.activation_memory import DecoderShape
+
     tiled_loss, tiled_mlp = config.tiled_loss, config.tiled_mlp
-    if tiled_loss == AUTO and not _wraps(lambda: _head_and_decoder(model)):
+    estimable = _wraps(lambda: DecoderShape.from_config(model.config))  # a Llama-style config
+    if tiled_loss == AUTO and not (estimable and _wraps(lambda: _head_and_decoder(model))):
         tiled_loss = "off"
-    if tiled_mlp == AUTO and not _wraps(lambda: decoder_mlps(model)):
+    if tiled_mlp == AUTO and not (estimable and _wraps(lambda: decoder_mlps(model))):
         tiled_mlp = "off"
     if tiled_loss == "off" and tiled_mlp == "off":
         return None
@@ -122,7 +125,7 @@ def _wraps(check) -> bool:
     try:
         check()
         return True
-    except ValueError:
+    except (ValueError, AttributeError, TypeError):  # not a model (or config) of the kind it handles
         return False
 
 
