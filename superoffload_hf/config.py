@@ -24,6 +24,10 @@ HOST_KERNEL_CHOICES = ("auto", "cpp", "reference")
 STATE_PRECISION_CHOICES = ("fp32", "compact", "compact32")
 WEIGHTS_CHOICES = ("stationary", "flow", "auto")
 ACTIVATION_OFFLOAD_CHOICES = ("auto", "on", "off")
+TILED_CHOICES = ("auto", "on", "off")
+TILED_LOSS_CHUNK_TOKENS = 1024  # at a 128K vocabulary: 0.5 GiB of fp32 logits per chunk
+TILED_MLP_CHUNK_TOKENS = 4096
+TILED_AUTO_SHARE = 0.125  # "auto" tiles a term larger than this share (1/8) of the free device memory
 
 
 class ConfigError(ValueError):
@@ -121,6 +125,32 @@ class SuperOffloadConfig:
     gradient checkpointing (`gradient_checkpointing=True`): "on" without it is refused, "auto"
     stays off. Applied by the Trainer integration; plain loops call
     `apply_activation_offload(model)`."""
+
+    tiled_loss: str = AUTO
+    """Compute a causal LM's head and cross-entropy `tiled_loss_chunk_tokens` tokens at a time,
+    the gradient produced per chunk, so that the full logits (tokens x vocabulary, 12 bytes per
+    logit at their peak) never exist (superoffload_hf/parallel/tiled_loss.py; exact to rounding;
+    costs one more head matmul in backward). The model's output then has no `logits`. "on",
+    "off", or "auto": on when what it saves (the logits' part of the activation estimate,
+    perf/activation_memory.py) exceeds 1/8 of the free device memory at the first training
+    forward with labels; never on the CPU device; a model it cannot wrap is left alone. Applied
+    by the Trainer integration (parallel/tiling.py); plain loops call
+    `superoffload_hf.parallel.tiled_loss.apply_tiled_loss(model)`."""
+
+    tiled_loss_chunk_tokens: int = TILED_LOSS_CHUNK_TOKENS
+    """Tokens per chunk of the tiled loss (1024: 0.5 GiB of fp32 logits at a 128K vocabulary)."""
+
+    tiled_mlp: str = AUTO
+    """Compute each decoder layer's MLP `tiled_mlp_chunk_tokens` tokens at a time, recomputing
+    each chunk in backward, so that the intermediate (tokens x intermediate size) exists one
+    chunk at a time (superoffload_hf/parallel/tiled_mlp.py; exact to rounding; costs one more
+    MLP forward in backward). "on", "off", or "auto": on when what it saves in one block's
+    backward (less its fp32 sums of the MLP weights' gradients) exceeds 1/8 of the free device
+    memory at the first training forward with labels; never on the CPU device. Plain loops
+    call `superoffload_hf.parallel.tiled_mlp.apply_tiled_mlp(model)`."""
+
+    tiled_mlp_chunk_tokens: int = TILED_MLP_CHUNK_TOKENS
+    """Tokens per chunk of the tiled MLP."""
 
     host_threads: Union[int, str] = AUTO
     """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on
@@ -223,6 +253,10 @@ class SuperOffloadConfig:
                 "`weights: stationary`.")
         _check_int("device_activation_bytes", self.device_activation_bytes, minimum=0)
         _check_choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOAD_CHOICES)
+        _check_choice("tiled_loss", self.tiled_loss, TILED_CHOICES)
+        _check_int("tiled_loss_chunk_tokens", self.tiled_loss_chunk_tokens, minimum=1)
+        _check_choice("tiled_mlp", self.tiled_mlp, TILED_CHOICES)
+        _check_int("tiled_mlp_chunk_tokens", self.tiled_mlp_chunk_tokens, minimum=1)
         _check_auto_or_int("host_threads", self.host_threads, minimum=1)
         if self.host_cores is not None:
             cores = self.host_cores

@@ -168,6 +168,10 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         e.g. "compact 5.184 B/param" (config `state_precision`)."""
         return self._engine.state_note()
 
+    def device_memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's memory now (the runtime's `memory_info()`)."""
+        return self._engine.runtime.memory_info()
+
     def device_memory_peak(self) -> Optional[int]:
         """Peak device bytes allocated (the runtime's `max_memory_allocated()`: torch's on an
         accelerator, the simulated device's budget accounting on it), None on the CPU device."""

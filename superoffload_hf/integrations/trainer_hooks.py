@@ -30,6 +30,7 @@ from superoffload_hf.engine.shard_checkpoint import shard_files
 from superoffload_hf.integrations import launch_env
 from superoffload_hf.integrations.resume import interrupted_report, load_weights_only, resolve_resume
 from superoffload_hf.optimizer import SuperOffloadAdamW
+from superoffload_hf.parallel.tiling import prepare_tiling
 
 logger = logging.getLogger("superoffload_hf.integrations.trainer")
 
@@ -134,6 +135,8 @@ class SuperOffloadHooks:
             weight_decay=args.weight_decay, max_grad_norm=max_grad_norm(args), config=config,
             model=model,  # weight-flow hooks its blocks (config `weights`)
         )
+        weak = weakref.ref(optimizer)  # the model must not keep a dropped Trainer's optimizer alive
+        prepare_tiling(model, config, optimizer.host_is_device, lambda: weak().device_memory_info()[0])
         logger.info("%s replaces the Trainer's optimizer: param groups (weight_decay, tensors) %s, "
                     "max_grad_norm %s, device dtype %s", type(optimizer).__name__,
                     [(g["weight_decay"], len(g["params"])) for g in groups], max_grad_norm(args),

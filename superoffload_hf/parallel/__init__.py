@@ -1,1 +1,1 @@
-"""Long sequences: what keeps a sequence's activations within one device (DESIGN.md section 12)."""
+"""Long sequences: sequence parallelism, activation offload, and the sequence-tiled loss and MLP (DESIGN.md section 12)."""

@@ -52,7 +52,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     rows = footprint(plan, policy)  # every snapshot counted: the trade lines say what auto drops
     where = "an accelerator (cast auto = host, device_buckets auto = 0)" if accelerator else "the CPU"
     lines = [f"memory: {n / 1e9:.3f}B parameters, {len(plan.buckets)} buckets, on {where}; "
-             "activations and the device gradients of the model not included"]
+             "activations (after the table) and the device gradients of the model not included"]
     if shipped is not None:
         lines.append(f"  architecture from the shipped {shipped / 'config.json'} (no local copy of "
                      f"{recipe.model.name_or_path}'s config.json)")
@@ -74,6 +74,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     if accelerator and shard_world is None:
         lines.append(flow_choice_lines(model, params, groups, config, tokens,
                                        int(t.get("gradient_accumulation_steps", 1))))
+    lines.extend(activation_lines(model_config, recipe, config, accelerator, n))
     lines.append(host_check_line(rows, not accelerator))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
@@ -185,6 +186,39 @@ def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_s
                  f"{every.exposed_s * 1e3:.1f} ms at prefetch depth {every.depth}")
     lines += ["    " + line.strip() for line in str(layout).splitlines()]
     return "\n".join(lines)
+
+
+H200_BYTES = H200["device_bytes"]  # the device the dry run decides "auto" against when there is none
+
+
+def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, num_params: int) -> list[str]:
+    """The device activations of one micro-batch at the recipe's sequence length
+    (perf/activation_memory.py), term by term, and what `tiled_loss` / `tiled_mlp` decide: on an
+    accelerator "auto" decides at the first training forward against the free device memory;
+    the dry run shows the decision against an H200's 141 GB less the stationary weights."""
+    from superoffload_hf.engine.layout import DTYPES
+    from superoffload_hf.parallel.tiling import choose_tiling
+    from superoffload_hf.perf.activation_memory import estimate_activations
+
+    t = recipe.training
+    batch, seq = int(t.get("per_device_train_batch_size", 8)), int(recipe.data.seq_len)
+    checkpointing = bool(t.get("gradient_checkpointing", False))
+    dtype_bytes = DTYPES[config.device_dtype].itemsize
+    free = None
+    if accelerator:
+        free = max(H200_BYTES - num_params * dtype_bytes, 0)
+    choice = choose_tiling(config.tiled_loss, config.tiled_mlp, not accelerator, model_config=model_config,
+                           micro_batch=batch, seq_len=seq, dtype_bytes=dtype_bytes, free_device_bytes=free)
+    terms = estimate_activations(model_config, batch, seq, dtype_bytes, gradient_checkpointing=checkpointing,
+                                 tiled_loss=choice.loss, tiled_mlp=choice.mlp,
+                                 loss_chunk=config.tiled_loss_chunk_tokens, mlp_chunk=config.tiled_mlp_chunk_tokens)
+    shown = ", ".join(f"{name} {value / 1e9:.3f}" for name, value in terms.rows() if name != "total")
+    where = "against an H200's 141 GB less the stationary weights" if accelerator else "on the CPU device"
+    # (indented, no ": ": the dry run's output reads as YAML)
+    return [f"  activations of {batch} x {seq} tokens ({config.device_dtype}, gradient checkpointing "
+            f"{'on' if checkpointing else 'off'}) {terms.total / 1e9:.3f} GB at their peak - {shown} GB",
+            f"  tiled_loss {config.tiled_loss}, tiled_mlp {config.tiled_mlp} - {where}, "
+            f"{choice.describe().replace(': ', ' - ')}"]
 
 
 def host_check_line(rows, device_is_host: bool) -> str:
