@@ -1,0 +1,48 @@
+"""The causal-LM loss under sequence parallelism: the token-weighted mean over the SP group.
+
+Each rank holds 1/N of the tokens. The group's loss is
+
+    L = sum over the group's targets of CE / (number of non-ignored targets in the group)
+
+(the count all-reduced over the SP group), the same number on every rank of the group.
+
+Its gradient: SuperOffloadAdamW averages gradients over every rank of the world (DP x SP: it
+shards the host state over the whole world, engine/dp.py), so the gradient of an SP group is
+the sum of its N ranks' gradients only if each rank's is N times its share. The differentiable
+part is therefore N * (local CE sum) / count; the value is corrected to L without a gradient
+(no collective in the backward). The world mean then equals the mean over DP replicas of each
+replica's loss gradient, as DDP computes it: the numbers of one process on the DP replicas'
+batches, each replica's loss its own token mean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from superoffload_hf.parallel.sequence_shard import IGNORE_INDEX
+
+
+def local_sum_and_count(logits: torch.Tensor, shift_labels: torch.Tensor,
+                        ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's cross-entropy sum (fp32, differentiable) and its non-ignored target count."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    targets = shift_labels.reshape(-1).to(flat.device)
+    total = torch.nn.functional.cross_entropy(flat, targets, ignore_index=ignore_index, reduction="sum")
+    return total, (targets != ignore_index).sum()
+
+
+def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group,
+                           ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The group's token-weighted mean (its value on every rank), with the gradient of
+    N * local sum / count (module docstring). `shift_labels`: pre-shifted (sequence_shard.py)."""
+    import torch.distributed as dist
+
+    local, count = local_sum_and_count(logits, shift_labels, ignore_index)
+    n = dist.get_world_size(group)
+    # one all-reduce for both: the group's target count and CE sum (values only, no gradient)
+    totals = torch.stack([count.to(torch.float64), local.detach().to(torch.float64)])
+    dist.all_reduce(totals, group=group)
+    group_count, group_sum = totals[0].clamp_min(1), totals[1]
+    scaled = local * n
+    value = (group_sum - scaled.detach().to(torch.float64)).to(local.dtype)
+    return (scaled + value) / group_count.to(local.dtype)
