@@ -12,7 +12,12 @@ import torch
 
 from _models import assert_params_close, engine_config, read_params
 
-LR = 1e-3  # as the data-parallel tests: a first Adam step amplifies rounding in gradients near eps
+LR = 1e-3
+# Adam's update g / (|g| + eps) turns a tiny gradient's relative rounding error (an embedding row
+# whose contributions nearly cancel, summed in another order over the shards) into the update's:
+# with eps 1e-8 one element in ~10^4 moved 2.6e-6 (0.2% of its update) from one process; 1e-6
+# keeps the comparison about the gradients.
+EPS = 1e-6
 HEADS, KV_HEADS = 8, 2
 
 
@@ -41,38 +46,61 @@ def replica_batch(step: int, dp_rank: int, seq: int, padded: bool) -> dict:
     return batch
 
 
+def rows(batches: list[dict]) -> dict:
+    return {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+
+
 def train(rank: int, world: int, sp_size: int, attn: str = "sdpa", steps: int = 3, seq: int = 30,
-          padded: bool = False, max_norm: float = 0.05) -> dict:
+          padded: bool = False, max_norm: float = 0.05, replicas: int | None = None, start_step: int = 0,
+          save_dir: str | None = None, load_dir: str | None = None) -> dict:
+    """`replicas`: how many replica batches make the global batch (default: the DP size); each
+    SP group takes replicas / DP of them, as rows of one batch (the same numbers as the mean of
+    their losses when their target counts are equal: not `padded`). `save_dir`: after training,
+    the optimizer's shards (every rank), the weights and the reference (rank 0); `load_dir`:
+    start from there, at `start_step` (checkpoints made under another DP x SP)."""
     from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.engine import shard_checkpoint
     from superoffload_hf.parallel import SequenceParallel, sequence_parallel_groups
 
     groups = sequence_parallel_groups(sp_size)
+    replicas = replicas or groups.dp_size
+    per = replicas // groups.dp_size
+    mine = range(groups.dp_rank * per, (groups.dp_rank + 1) * per)
     model = sp_llama(attn, seed=rank)  # rank 0's weights must win (the optimizer broadcasts them)
     ref = sp_llama(attn, seed=0)
+    if load_dir is not None:
+        model.load_state_dict(torch.load(f"{load_dir}/model.pt", weights_only=True))
+        ref.load_state_dict(torch.load(f"{load_dir}/ref_model.pt", weights_only=True))
     sp = SequenceParallel(model, groups.group)
-    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, config=engine_config(speculation="on"))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=1e-2, foreach=False)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, eps=EPS, config=engine_config(speculation="on"))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=1e-2, eps=EPS, foreach=False)
+    if load_dir is not None:
+        ref_opt.load_state_dict(torch.load(f"{load_dir}/ref_opt.pt", weights_only=True))
+        if shard_checkpoint.shard_files(load_dir):
+            opt.load_state_dict(shard_checkpoint.read_shards(load_dir))
+        else:
+            opt.load_state_dict(torch.load(f"{load_dir}/optimizer.pt", weights_only=True))
     losses, clipped = [], []
     try:
-        assert_params_close(model, ref, "after construction", exact=True)
-        for step in range(steps):
+        assert_params_close(model, ref, "after construction", exact=load_dir is None)
+        for step in range(start_step, start_step + steps):
             where = f"rank {rank}/{world} (SP {sp_size}) step {step}"
             ref_losses = []
-            for d in range(groups.dp_size):
+            for d in range(replicas):
                 loss_d = ref(**replica_batch(step, d, seq, padded)).loss
-                (loss_d / groups.dp_size).backward()
+                (loss_d / replicas).backward()
                 ref_losses.append(float(loss_d.detach()))
             ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
 
             opt.max_grad_norm = max_norm
-            loss = sp(**sp.shard_batch(replica_batch(step, groups.dp_rank, seq, padded)))
+            loss = sp(**sp.shard_batch(rows([replica_batch(step, d, seq, padded) for d in mine])))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-            want = ref_losses[groups.dp_rank]
+            want = sum(ref_losses[d] for d in mine) / per
             got = float(loss.detach())
             assert abs(got - want) <= 1e-5 * abs(want), f"{where}: loss {got} vs one process {want}"
             assert math.isfinite(ref_norm) and ref_norm > max_norm, f"{where}: norm {ref_norm} does not clip"
@@ -82,9 +110,19 @@ def train(rank: int, world: int, sp_size: int, attn: str = "sdpa", steps: int = 
             losses.append(got)
             clipped.append(ref_norm)
         params = {name: p.detach().clone() for name, p in read_params(model).items()}
+        if save_dir is not None:
+            opt.save_sharded(save_dir)
+            if rank == 0:
+                torch.save(model.state_dict(), f"{save_dir}/model.pt")
+                torch.save(ref.state_dict(), f"{save_dir}/ref_model.pt")
+                torch.save(ref_opt.state_dict(), f"{save_dir}/ref_opt.pt")
+            if world > 1:
+                import torch.distributed as dist
+
+                dist.barrier()  # rank 0's files are written before any rank resumes from them
     finally:
         opt.close()
-    return {"losses": losses, "norms": clipped, "dp_rank": groups.dp_rank,
+    return {"losses": losses, "norms": clipped, "dp_rank": groups.dp_rank, "steps": steps,
             "digest": sum(float(p.double().sum()) for p in params.values())}
 
 

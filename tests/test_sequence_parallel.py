@@ -25,8 +25,17 @@ def two_ranks():
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    runs = [dict(sp_size=4, attn="sdpa", seq=30, padded=True), dict(sp_size=2, attn="eager", seq=30, padded=True)]
+def saved(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("sp2_dp2"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(saved):
+    """One spawn: SP=4; SP=2 x DP=2 (eager); SP=2 x DP=2 saved after 2 steps, then resumed from
+    those files as SP=4 (DP 1: both replicas' batches as one; fresh model and optimizer)."""
+    runs = [dict(sp_size=4, attn="sdpa", seq=30, padded=True), dict(sp_size=2, attn="eager", seq=30, padded=True),
+            dict(sp_size=2, steps=2, save_dir=saved),
+            dict(sp_size=4, replicas=2, start_step=2, steps=2, load_dir=saved)]
     return run_ranks(_sp_train.scenarios, 4, runs, deadline_s=200)
 
 
@@ -38,7 +47,7 @@ def _check_groups(per_rank: list, run: int, sp_size: int) -> None:
     for r in results:
         assert r["losses"] == results[r["dp_rank"] * sp_size]["losses"]
         assert r["digest"] == results[0]["digest"]  # the same parameters everywhere
-        assert len(r["losses"]) == 3
+        assert len(r["losses"]) == r["steps"]
     if len(results) > sp_size:
         assert results[0]["losses"] != results[sp_size]["losses"]  # two replicas, two batches
 
@@ -53,6 +62,21 @@ def test_sp4_replicates_the_two_kv_heads_and_equals_one_process(four_ranks):
 
 def test_sp2_by_dp2_with_eager_attention_equals_one_process_on_both_replicas_batches(four_ranks):
     _check_groups(four_ranks, 1, 2)
+
+
+def test_a_checkpoint_of_sp2_by_dp2_resumes_on_sp4_with_the_numbers_of_one_uninterrupted_process(four_ranks):
+    # each rank compared its resumed steps 2, 3 with the stock reference continued from the same files
+    # (itself equal to the SP=2 x DP=2 run's steps 0, 1 within 1e-5)
+    _check_groups(four_ranks, 2, 2)
+    _check_groups(four_ranks, 3, 4)
+
+
+def test_a_checkpoint_of_sp2_by_dp2_resumes_on_one_process_with_the_same_numbers(four_ranks, saved):
+    (one,) = run_ranks(_sp_train.scenarios, 1, [dict(sp_size=1, replicas=2, start_step=2, steps=2, load_dir=saved)],
+                       deadline_s=200)
+    resumed_on_four = four_ranks[0][3]
+    assert one[0]["losses"] == pytest.approx(resumed_on_four["losses"], rel=1e-5)
+    assert one[0]["norms"] == pytest.approx(resumed_on_four["norms"], rel=1e-5)
 
 
 # ---- the all-to-all --------------------------------------------------------------------------------
