@@ -205,3 +205,11 @@ def test_sequence_parallel_groups_without_torch_distributed_say_what_to_call():
         sequence_parallel_groups(1)
     with pytest.raises(ConfigError, match="is 2 but the world has 1 processes"):
         sequence_parallel_groups(2)
+
+
+def test_the_optimizer_refuses_a_sequence_parallel_size_its_world_cannot_hold():
+    from superoffload_hf import SuperOffloadAdamW
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ConfigError, match="`sequence_parallel_size` is 2 but the world has 1 processes"):
+        SuperOffloadAdamW(params, lr=1e-3, config={"sequence_parallel_size": 2, "device_dtype": "fp32"})
