@@ -213,3 +213,36 @@ def test_the_optimizer_refuses_a_sequence_parallel_size_its_world_cannot_hold():
     params = [torch.nn.Parameter(torch.zeros(4))]
     with pytest.raises(ConfigError, match="`sequence_parallel_size` is 2 but the world has 1 processes"):
         SuperOffloadAdamW(params, lr=1e-3, config={"sequence_parallel_size": 2, "device_dtype": "fp32"})
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield dist.new_group([0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_gives_the_models_own_loss_and_gradients_and_refuses_unsharded_calls(one_rank_world):
+    from superoffload_hf.parallel import SequenceParallel
+
+    batch = _sp_train.replica_batch(0, 0, 12, padded=True)
+    ref = _sp_train.sp_llama("sdpa")
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    model = _sp_train.sp_llama("sdpa")
+    sp = SequenceParallel(model, one_rank_world)
+    assert model.config._attn_implementation == "ulysses_sdpa"
+    loss = sp(**sp.shard_batch(batch))
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    shard = sp.shard_batch(batch)
+    with pytest.raises(ValueError, match="`attention_mask` was passed.*shard_batch"):
+        sp(**shard, attention_mask=batch["attention_mask"])
+    with pytest.raises(ValueError, match="`labels` was passed"):
+        sp(**shard, labels=batch["labels"])

@@ -62,6 +62,11 @@ class SequenceParallel:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor,
                  **kwargs) -> torch.Tensor:
         """The SP group's loss on this rank's shard (from `shard_batch`)."""
+        for key in ("attention_mask", "labels"):
+            if key in kwargs:  # the model would drop the mask (no mask function for the wrapper) or shift again
+                raise ValueError(f"SequenceParallel: `{key}` was passed to the model call; pass the batch through "
+                                 "`shard_batch` first (it turns labels into shift_labels and right padding into "
+                                 "ignored targets) and call with its output.")
         if input_ids.shape != position_ids.shape:
             raise ValueError(f"SequenceParallel: position_ids {tuple(position_ids.shape)} do not match input_ids "
                              f"{tuple(input_ids.shape)}; pass the output of `shard_batch` unchanged.")
