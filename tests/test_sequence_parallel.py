@@ -246,3 +246,15 @@ def test_one_rank_gives_the_models_own_loss_and_gradients_and_refuses_unsharded_
         sp(**shard, attention_mask=batch["attention_mask"])
     with pytest.raises(ValueError, match="`labels` was passed"):
         sp(**shard, labels=batch["labels"])
+
+
+def test_the_sampler_gives_the_ranks_of_one_sp_group_the_same_samples_and_replicas_different_ones():
+    from superoffload_hf.parallel import SequenceParallelGroups
+
+    dataset = list(range(16))
+    drawn = {}
+    for rank in range(4):  # DP 2 x SP 2
+        groups = SequenceParallelGroups(size=2, rank=rank % 2, dp_size=2, dp_rank=rank // 2, group=None)
+        drawn[rank] = list(groups.sampler(dataset, seed=3))
+    assert drawn[0] == drawn[1] and drawn[2] == drawn[3]
+    assert sorted(drawn[0] + drawn[2]) == dataset  # the two replicas split the data

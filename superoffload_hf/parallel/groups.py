@@ -24,6 +24,14 @@ class SequenceParallelGroups:
     dp_rank: int  # this rank's SP group: which replica's batch it holds
     group: Any  # this rank's SP process group (torch.distributed)
 
+    def sampler(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+        """A DistributedSampler over the DP replicas: the ranks of one SP group draw the same
+        samples (the group's batch, which each of them then shards along the sequence)."""
+        from torch.utils.data import DistributedSampler
+
+        return DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=seed,
+                                  drop_last=drop_last)
+
     def describe(self) -> str:
         return (f"sequence parallel: part {self.rank} of {self.size} of replica {self.dp_rank}'s sequences "
                 f"(DP {self.dp_size} x SP {self.size})")

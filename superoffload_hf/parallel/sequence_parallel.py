@@ -1,6 +1,7 @@
 """The plain-loop surface of sequence parallelism: a model wrapper and batch sharding.
 
     import torch.distributed as dist
+    from torch.utils.data import DataLoader
     from superoffload_hf import SuperOffloadAdamW
     from superoffload_hf.parallel import SequenceParallel, sequence_parallel_groups
 
@@ -9,8 +10,9 @@
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     sp = SequenceParallel(model, groups.group)
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-4, max_grad_norm=1.0)  # every rank: the whole world
-    for batch in loader:                             # the same batch on the ranks of one SP group
-        loss = sp(**sp.shard_batch(batch))           # (the sampler draws by groups.dp_rank)
+    loader = DataLoader(dataset, batch_size=8, sampler=groups.sampler(dataset))  # one batch per SP group
+    for batch in loader:
+        loss = sp(**sp.shard_batch(batch))
         loss.backward()
         opt.step(); opt.zero_grad()
 
