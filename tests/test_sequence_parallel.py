@@ -258,3 +258,20 @@ def test_the_sampler_gives_the_ranks_of_one_sp_group_the_same_samples_and_replic
         drawn[rank] = list(groups.sampler(dataset, seed=3))
     assert drawn[0] == drawn[1] and drawn[2] == drawn[3]
     assert sorted(drawn[0] + drawn[2]) == dataset  # the two replicas split the data
+
+
+def test_attention_the_wrapper_cannot_split_correctly_is_refused_saying_why(one_rank_world):
+    from superoffload_hf.parallel.ulysses import UlyssesAttention, register
+
+    with pytest.raises(ValueError, match="'no_such' is not registered.*'sdpa'"):
+        register(one_rank_world, "no_such")
+    with pytest.raises(ValueError, match="the model's is 'ulysses_sdpa'"):
+        register(one_rank_world, "ulysses_sdpa")
+    attention = UlyssesAttention(one_rank_world, "sdpa")
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"attention mask of shape \(1, 1, 4, 4\).*shard_batch"):
+        attention(None, q, k, v, torch.zeros(1, 1, 4, 4))
+    with pytest.raises(ValueError, match="packed sequences"):
+        attention(None, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        attention(None, q, k, v, None, sliding_window=2)

@@ -143,7 +143,7 @@ class UlyssesAttention:
         self._mask = None
 
     def inner_function(self, module: torch.nn.Module) -> Callable:
-        from transformers import AttentionInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         if self.inner == "eager":  # each model's own, in its modeling module (not registered)
             fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
@@ -151,7 +151,7 @@ class UlyssesAttention:
                 raise ValueError(f"sequence parallelism with attn_implementation 'eager': "
                                  f"{type(module).__module__} has no eager_attention_forward. Use 'sdpa'.")
             return fn
-        return AttentionInterface._global_mapping[self.inner]
+        return ALL_ATTENTION_FUNCTIONS[self.inner]
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         if attention_mask is not None:
@@ -211,13 +211,15 @@ def register(group, inner: str) -> str:
     """Register the Ulysses wrapper of attention implementation `inner` for `group`; returns
     its name. One SP group per process: registering again replaces the group."""
     from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if inner is None or inner.startswith(PREFIX):
         raise ValueError(f"sequence parallelism wraps a model's attention implementation; the model's is {inner!r}. "
                          "Build the model with attn_implementation='sdpa' (or 'eager', a flash one).")
-    if inner != "eager" and inner not in AttentionInterface._global_mapping:
+    if inner != "eager" and inner not in ALL_ATTENTION_FUNCTIONS:
         raise ValueError(f"attention implementation {inner!r} is not registered in transformers' AttentionInterface; "
-                         f"choose one of {sorted(AttentionInterface._global_mapping)} or 'eager'.")
+                         f"choose one of {sorted(n for n in ALL_ATTENTION_FUNCTIONS if not n.startswith(PREFIX))} "
+                         "or 'eager'.")
     name = PREFIX + inner
     AttentionInterface.register(name, UlyssesAttention(group, inner))
     return name
