@@ -54,6 +54,7 @@ class SuperOffloadHooks:
     def __init__(self, trainer: HFTrainer, plugin: SuperOffloadPlugin):
         check_hook_points(type(trainer))
         check_trainer_supported(trainer)
+        check_sequence_parallel_supported(plugin)
         # weakly: the Trainer holds the hooks (a cycle would keep a dropped Trainer's optimizer alive)
         self._trainer = weakref.ref(trainer)
         self.plugin = plugin
@@ -202,6 +203,17 @@ def check_trainer_supported(trainer: HFTrainer) -> None:
                 f"accelerate config): both own the optimizer state. Turn one of them off."
             )
     check_accelerator_supported(trainer.accelerator)
+
+
+def check_sequence_parallel_supported(plugin: SuperOffloadPlugin) -> None:
+    """The Trainer does not shard batches along the sequence yet: a sequence_parallel_size it
+    ignored would train every rank as a data-parallel one, on other numbers."""
+    size = plugin.sequence_parallel_size
+    if size not in (None, 1):
+        raise NotImplementedError(
+            f"`sequence_parallel_size` is {size} under the Trainer: the Trainer does not shard batches along the "
+            "sequence yet. Train with the plain-loop API (superoffload_hf.parallel.SequenceParallel, "
+            "docs/sequence-parallel.md), or set `sequence_parallel_size: 1`.")
 
 
 def _warn_if_optim_replaced(args: HFTrainingArguments) -> None:
