@@ -71,8 +71,8 @@ def train(rank: int, world: int, sp_size: int, attn: str = "sdpa", steps: int = 
     if load_dir is not None:
         model.load_state_dict(torch.load(f"{load_dir}/model.pt", weights_only=True))
         ref.load_state_dict(torch.load(f"{load_dir}/ref_model.pt", weights_only=True))
-    sp = SequenceParallel(model, groups.group)
     opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, eps=EPS, config=engine_config(speculation="on"))
+    sp = SequenceParallel(model, groups.group, optimizer=opt)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=1e-2, eps=EPS, foreach=False)
     if load_dir is not None:
         ref_opt.load_state_dict(torch.load(f"{load_dir}/ref_opt.pt", weights_only=True))

@@ -286,3 +286,21 @@ def test_the_trainer_refuses_a_sequence_parallel_size_it_would_ignore(tmp_path):
                              superoffload_config={"sequence_parallel_size": 2})
     with pytest.raises(NotImplementedError, match="`sequence_parallel_size` is 2 under the Trainer.*SequenceParallel"):
         Trainer(model=tiny_llama(num_layers=1), args=args)
+
+
+def test_the_forward_waits_for_the_optimizers_queued_gathers_before_its_first_all_to_all(one_rank_world,
+                                                                                         monkeypatch):
+    from superoffload_hf.parallel import SequenceParallel, ulysses
+
+    events = []
+    exchange = ulysses._all_to_all
+    monkeypatch.setattr(ulysses, "_all_to_all", lambda *a: (events.append("all-to-all"), exchange(*a))[1])
+
+    class Optimizer:  # records the call SuperOffloadAdamW.before_collective answers
+        def before_collective(self):
+            events.append("before_collective")
+
+    sp = SequenceParallel(_sp_train.sp_llama("sdpa", layers=1), one_rank_world, optimizer=Optimizer())
+    sp(**sp.shard_batch(_sp_train.replica_batch(0, 0, 8, padded=False)))
+    assert events[0] == "before_collective" and events.count("before_collective") == 1
+    assert events[1:] == ["all-to-all"] * 4  # q, k, v in and the output back

@@ -8,8 +8,8 @@
     dist.init_process_group("nccl")                  # torchrun --nproc-per-node 4 ...
     groups = sequence_parallel_groups(2)             # DP 2 x SP 2
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    sp = SequenceParallel(model, groups.group)
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-4, max_grad_norm=1.0)  # every rank: the whole world
+    sp = SequenceParallel(model, groups.group, optimizer=opt)
     loader = DataLoader(dataset, batch_size=8, sampler=groups.sampler(dataset))  # one batch per SP group
     for batch in loader:
         loss = sp(**sp.shard_batch(batch))
@@ -43,11 +43,13 @@ class SequenceParallel:
     """A causal LM whose attention runs as Ulysses over `group` (ulysses.py). The model itself
     is changed in place (its config's attention implementation): train `model`'s parameters."""
 
-    def __init__(self, model: torch.nn.Module, group, ignore_index: int = IGNORE_INDEX,
+    def __init__(self, model: torch.nn.Module, group, optimizer=None, ignore_index: int = IGNORE_INDEX,
                  pad_token_id: Optional[int] = None):
         import torch.distributed as dist
 
-        self.model, self.group, self.ignore_index = model, group, ignore_index
+        # `optimizer` (SuperOffloadAdamW): its weight all-gathers, issued by its worker thread
+        # after step(), must all be issued before this forward's all-to-alls (before_collective)
+        self.model, self.group, self.optimizer, self.ignore_index = model, group, optimizer, ignore_index
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         config = model.config
         ulysses.kv_heads_for(getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -72,5 +74,7 @@ class SequenceParallel:
         if input_ids.shape != position_ids.shape:
             raise ValueError(f"SequenceParallel: position_ids {tuple(position_ids.shape)} do not match input_ids "
                              f"{tuple(input_ids.shape)}; pass the output of `shard_batch` unchanged.")
+        if self.optimizer is not None:
+            self.optimizer.before_collective()  # one order of collectives across threads on every rank
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         return sequence_parallel_loss(out.logits, shift_labels, self.group, self.ignore_index)
