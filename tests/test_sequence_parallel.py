@@ -277,15 +277,15 @@ def test_attention_the_wrapper_cannot_split_correctly_is_refused_saying_why(one_
         attention(None, q, k, v, None, sliding_window=2)
 
 
-def test_the_trainer_refuses_a_sequence_parallel_size_it_would_ignore(tmp_path):
+def test_the_trainer_refuses_evaluation_under_sequence_parallelism(tmp_path):
     from _models import tiny_llama
 
     from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[],
-                             superoffload_config={"sequence_parallel_size": 2})
-    with pytest.raises(NotImplementedError, match="`sequence_parallel_size` is 2 under the Trainer.*SequenceParallel"):
-        Trainer(model=tiny_llama(num_layers=1), args=args)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[], eval_strategy="steps",
+                             eval_steps=1, superoffload_config={"sequence_parallel_size": 2})
+    with pytest.raises(ValueError, match="`sequence_parallel_size` is 2 with `eval_strategy` 'steps'"):
+        Trainer(model=tiny_llama(num_layers=1), args=args, eval_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
 
 
 def test_the_forward_waits_for_the_optimizers_queued_gathers_before_its_first_all_to_all(one_rank_world,

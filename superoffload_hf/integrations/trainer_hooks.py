@@ -28,6 +28,7 @@ from superoffload_hf.integrations.accelerate import (
 from superoffload_hf.integrations.callback import SuperOffloadCallback, shorten_printed_logs, unwrap_optimizer
 from superoffload_hf.engine.shard_checkpoint import shard_files
 from superoffload_hf.integrations import launch_env
+from superoffload_hf.integrations.trainer_sequence_parallel import TrainerSequenceParallel
 from superoffload_hf.integrations.resume import interrupted_report, load_weights_only, resolve_resume
 from superoffload_hf.optimizer import SuperOffloadAdamW
 
@@ -54,13 +55,14 @@ class SuperOffloadHooks:
     def __init__(self, trainer: HFTrainer, plugin: SuperOffloadPlugin):
         check_hook_points(type(trainer))
         check_trainer_supported(trainer)
-        check_sequence_parallel_supported(plugin)
         # weakly: the Trainer holds the hooks (a cycle would keep a dropped Trainer's optimizer alive)
         self._trainer = weakref.ref(trainer)
         self.plugin = plugin
         self.callback = SuperOffloadCallback()
         insert_after_flow_callback(trainer.callback_handler.callbacks, self.callback)
         shorten_printed_logs(trainer.callback_handler.callbacks)  # the superoffload/* keys stay in the records
+        size = plugin.sequence_parallel_size
+        self.sequence_parallel = TrainerSequenceParallel(trainer, size) if size not in (None, 1) else None
 
     @property
     def trainer(self) -> HFTrainer:
@@ -116,6 +118,8 @@ class SuperOffloadHooks:
             check_superoffload_optimizer(trainer.optimizer)  # optimizers=(SuperOffloadAdamW(...), ...)
             trainer.optimizer.max_grad_norm = max_grad_norm(trainer.args)
             trainer.optimizer = wrap_optimizer(trainer.accelerator, trainer.optimizer)
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.set_optimizer(unwrap_optimizer(trainer.optimizer))
         return trainer.optimizer
 
     def _build_optimizer(self, model) -> SuperOffloadAcceleratedOptimizer:
@@ -203,17 +207,6 @@ def check_trainer_supported(trainer: HFTrainer) -> None:
                 f"accelerate config): both own the optimizer state. Turn one of them off."
             )
     check_accelerator_supported(trainer.accelerator)
-
-
-def check_sequence_parallel_supported(plugin: SuperOffloadPlugin) -> None:
-    """The Trainer does not shard batches along the sequence yet: a sequence_parallel_size it
-    ignored would train every rank as a data-parallel one, on other numbers."""
-    size = plugin.sequence_parallel_size
-    if size not in (None, 1):
-        raise NotImplementedError(
-            f"`sequence_parallel_size` is {size} under the Trainer: the Trainer does not shard batches along the "
-            "sequence yet. Train with the plain-loop API (superoffload_hf.parallel.SequenceParallel, "
-            "docs/sequence-parallel.md), or set `sequence_parallel_size: 1`.")
 
 
 def _warn_if_optim_replaced(args: HFTrainingArguments) -> None:

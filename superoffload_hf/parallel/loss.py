@@ -46,3 +46,23 @@ def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, gro
     scaled = local * n
     value = (group_sum - scaled.detach().to(torch.float64)).to(local.dtype)
     return (scaled + value) / group_count.to(local.dtype)
+
+
+def sequence_parallel_window_loss(local_sum: torch.Tensor, group, denominator, world: int,
+                                  dp_size: int) -> torch.Tensor:
+    """The Trainer's form (integrations/trainer_sequence_parallel.py): `denominator` is the
+    target count of the whole step (every gradient-accumulation micro-batch; over every DP
+    replica, or `dp_size` times one replica's), as one process divides by it.
+
+    Gradient: `world * local_sum / denominator` (the optimizer averages over the world, so the
+    step's gradient is the sum of every shard's CE / denominator). Value: `dp_size * (SP group's
+    CE sum) / denominator`, the same on the group's ranks; its mean over the world's ranks (what
+    the Trainer logs) is the one-process loss of the micro-batch."""
+    import torch.distributed as dist
+
+    group_sum = local_sum.detach().to(torch.float64)
+    dist.all_reduce(group_sum, group=group)
+    denominator = torch.as_tensor(denominator, dtype=torch.float64, device=local_sum.device).clamp_min(1)
+    scaled = local_sum * world / denominator.to(local_sum.dtype)
+    value = (dp_size * group_sum / denominator).to(local_sum.dtype)
+    return scaled + (value - scaled.detach())

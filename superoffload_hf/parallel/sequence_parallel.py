@@ -74,7 +74,11 @@ class SequenceParallel:
         if input_ids.shape != position_ids.shape:
             raise ValueError(f"SequenceParallel: position_ids {tuple(position_ids.shape)} do not match input_ids "
                              f"{tuple(input_ids.shape)}; pass the output of `shard_batch` unchanged.")
+        return sequence_parallel_loss(self.logits(input_ids, position_ids, **kwargs), shift_labels, self.group,
+                                      self.ignore_index)
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The model's logits on this rank's shard (its attention over the SP group's whole sequences)."""
         if self.optimizer is not None:
             self.optimizer.before_collective()  # one order of collectives across threads on every rank
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
-        return sequence_parallel_loss(out.logits, shift_labels, self.group, self.ignore_index)
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).logits
