@@ -572,7 +572,8 @@ def _or_na(value: Optional[int]) -> str:
 
 def _summarize(recipe: Recipe, args: Any, trainer: Any, output: Any, recorder: _RunRecorder, checkpoint: str) -> TrainSummary:
     steps = trainer.state.global_step - recorder.start_step
-    sequences_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    sp = int((recipe.superoffload or {}).get("sequence_parallel_size", 1))  # an SP group shares its batch
+    sequences_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size // sp
     counters = optimizer_counters(trainer)
     return TrainSummary(
         steps=steps,

@@ -288,6 +288,17 @@ def test_the_trainer_refuses_evaluation_under_sequence_parallelism(tmp_path):
         Trainer(model=tiny_llama(num_layers=1), args=args, eval_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
 
 
+def test_training_arguments_sequence_parallel_size_reaches_the_plugin_over_the_config(tmp_path):
+    from superoffload_hf.integrations.trainer import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], sequence_parallel_size=4,
+                             superoffload_config={"speculation": "on", "sequence_parallel_size": 2})
+    assert args.superoffload and args.superoffload_plugin().explicit_fields() == {"speculation": "on",
+                                                                                  "sequence_parallel_size": 4}
+    with pytest.raises(ValueError, match="sequence_parallel_size"):
+        TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], sequence_parallel_size=0)
+
+
 def test_the_forward_waits_for_the_optimizers_queued_gathers_before_its_first_all_to_all(one_rank_world,
                                                                                          monkeypatch):
     from superoffload_hf.parallel import SequenceParallel, ulysses

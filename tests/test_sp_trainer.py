@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_dp_trainer import BLOCK, launch
+from test_dp_trainer import BLOCK, OUR_SCRIPT, free_port, launch, losses, run
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -60,3 +60,14 @@ def test_a_sequence_parallel_checkpoint_resumes_on_one_process_with_its_numbers(
     for a, b in zip([r for r in resumed if r["step"] > 2], one[2:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (resumed, one)
     assert_close_weights(tmp / "resumed" / "checkpoint-4", runs["one_dir"] / "checkpoint-4")
+
+
+def test_torchrun_with_our_trainer_and_training_arguments_sequence_parallel_size(runs, tmp_path):
+    import json
+    import sys
+
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(OUR_SCRIPT), "--superoffload_config", json.dumps(BLOCK), "--sequence_parallel_size", "2",
+         "--output_dir", str(tmp_path / "out"), *ARGS], tmp_path)
+    assert_close_curve(losses(tmp_path / "out"), runs["one"])
+    assert_close_weights(tmp_path / "out" / "checkpoint-4", runs["one_dir"] / "checkpoint-4")

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainingArguments(HFTrainingArguments):
-    """transformers.TrainingArguments plus `superoffload` and `superoffload_config`.
+    """transformers.TrainingArguments plus `superoffload`, `superoffload_config` and `sequence_parallel_size`.
 
     Device dtype: the config's `device_dtype` when it sets one; otherwise bf16=True -> "bf16",
     fp16=True -> "fp16", neither -> "fp32" (full precision, as asked).
@@ -65,6 +65,11 @@ class TrainingArguments(HFTrainingArguments):
         metadata={"help": "SuperOffloadConfig fields: a path to a YAML/JSON file, a JSON string, or "
                           "a dict. Setting it turns `superoffload` on."},
     )
+    sequence_parallel_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "Ranks that split each sequence (Ulysses, docs/sequence-parallel.md): the superoffload "
+                          "config's `sequence_parallel_size` (None: the config's). Turns `superoffload` on."},
+    )
     resume_weights_only: bool = field(
         default=False,
         metadata={"help": "With `resume_from_checkpoint`: load only the model weights of the checkpoint and "
@@ -84,7 +89,7 @@ class TrainingArguments(HFTrainingArguments):
                     f"valid JSON ({error}). Give a JSON object such as '{{\"speculation\": \"off\"}}' "
                     "(quote it for the shell) or the path of a YAML/JSON file."
                 ) from None
-        if self.superoffload_config is not None:
+        if self.superoffload_config is not None or self.sequence_parallel_size is not None:
             self.superoffload = True
         if self.superoffload:
             self._check_superoffload_combination()
@@ -96,7 +101,10 @@ class TrainingArguments(HFTrainingArguments):
         """The superoffload settings (None when superoffload is off)."""
         if not self.superoffload:
             return None
-        return SuperOffloadPlugin.from_value(self.superoffload_config)
+        plugin = SuperOffloadPlugin.from_value(self.superoffload_config)
+        if self.sequence_parallel_size is None:
+            return plugin
+        return SuperOffloadPlugin.from_dict({**plugin.explicit_fields(), "sequence_parallel_size": self.sequence_parallel_size})
 
     def _check_superoffload_combination(self) -> None:
         optim = _optim_name(self.optim)
