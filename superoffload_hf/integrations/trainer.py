@@ -9,6 +9,10 @@ With `superoffload=True` three Trainer methods change, and nothing else:
 - `_get_grad_norm`: returns a placeholder that `SuperOffloadCallback` fills with the
   optimizer's `last_grad_norm` right after the step, before the Trainer logs it.
 
+With `sequence_parallel_size` N > 1 (the argument or the config's key) the train dataloader
+and `compute_loss` change too: each SP group of N ranks shares a batch and each rank computes
+the loss on its part of every sequence (`trainer_sequence_parallel.py`).
+
 With superoffload on or off, a checkpoint save that fails (a full disk, Ctrl-C) leaves the
 previous checkpoints as they were and says so (`checkpoint_save.py`).
 
