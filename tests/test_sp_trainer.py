@@ -1,7 +1,8 @@
 """Sequence parallelism through the Trainer: an unmodified stock-Trainer script under
 `superoffload launch` with `sequence_parallel_size: 2` on 2 processes (CPU, gloo) trains to the
 numbers of one process on the same global batch (losses, grad norms, final weights), with
-gradient accumulation and clipping; its checkpoint resumes on one process."""
+gradient accumulation and clipping; its checkpoint resumes on one process; torchrun with our
+Trainer and `--sequence_parallel_size 2`; SP=2 x DP=2 on 4 processes."""
 
 from __future__ import annotations
 
@@ -71,3 +72,14 @@ def test_torchrun_with_our_trainer_and_training_arguments_sequence_parallel_size
          "--output_dir", str(tmp_path / "out"), *ARGS], tmp_path)
     assert_close_curve(losses(tmp_path / "out"), runs["one"])
     assert_close_weights(tmp_path / "out" / "checkpoint-4", runs["one_dir"] / "checkpoint-4")
+
+
+def test_sequence_parallel_2_by_data_parallel_2_on_4_processes_equals_one_process(tmp_path):
+    """The loader shards by SP group: the 2 groups take the 2 halves of the one-process batch."""
+    block = {**BLOCK, "sequence_parallel_size": 2}
+    sp = launch(tmp_path, 4, True, tmp_path / "sp", train_args=tuple(ARGS), block=block)
+    one_args = list(ARGS)
+    one_args[one_args.index("--per_device_train_batch_size") + 1] = "4"  # the 2 replicas' batches
+    one = launch(tmp_path, 1, True, tmp_path / "one", train_args=tuple(one_args))
+    assert_close_curve(sp, one)
+    assert_close_weights(tmp_path / "sp" / "checkpoint-4", tmp_path / "one" / "checkpoint-4")
