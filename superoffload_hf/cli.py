@@ -37,6 +37,7 @@ from superoffload_hf.train.output_dir import OVERWRITE_FLAG
 from superoffload_hf.train.recipe import DataSpec, ModelSpec, Recipe, RecipeError, TokenizerSpec, load_recipe
 
 USAGE = """usage: superoffload train RECIPE.yaml [--dry-run [--num_processes N [--num_machines M]]] [--timeline DIR]
+                          [--sequence_parallel_size N]
                           [--overwrite_output_dir] [--section.key value ...]
        superoffload launch [accelerate launch arguments ...]
        superoffload recipes
@@ -50,7 +51,9 @@ commands:
            `--num_processes N` per rank of N data-parallel processes and per host
            (`--num_machines M`: N / M ranks on each host; default 1 machine); a new run into
            an output_dir that holds another run's checkpoints is refused unless it resumes
-           (`--training.resume_from_checkpoint true`) or `--overwrite_output_dir` removes them
+           (`--training.resume_from_checkpoint true`) or `--overwrite_output_dir` removes them;
+           `--sequence_parallel_size N` (= `--superoffload.sequence_parallel_size N`) splits each
+           sequence over N ranks (docs/sequence-parallel.md): start a multiple of N processes
            RECIPE is a YAML file or the name of a shipped recipe (`superoffload train tiny_llama_cpu`)
   launch   `accelerate launch` with a `superoffload:` block in the accelerate config
   recipes  list the shipped recipes
@@ -179,6 +182,47 @@ def process_count_options(tokens: list[str]) -> tuple[list[str], int, int]:
     return out, n, m
 
 
+SEQUENCE_PARALLEL_FLAG = "--sequence_parallel_size"
+
+
+def sequence_parallel_option(tokens: list[str]) -> list[str]:
+    """`--sequence_parallel_size N` (or `=N`) as the recipe override it names."""
+    out, i = [], 0
+    while i < len(tokens):
+        name, eq, text = tokens[i].partition("=")
+        if name != SEQUENCE_PARALLEL_FLAG:
+            out.append(tokens[i])
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                raise ValueError(f"`{SEQUENCE_PARALLEL_FLAG}` needs a value: an integer >= 1, e.g. "
+                                 f"`{SEQUENCE_PARALLEL_FLAG} 2`.")
+            text, i = tokens[i + 1], i + 1
+        out.append(f"--superoffload.sequence_parallel_size={text}")  # validated with the recipe
+        i += 1
+    return out
+
+
+def sequence_parallel_check(recipe: Recipe, dry_run: bool, num_processes: int, argv0: str) -> Optional[str]:
+    """The dry run's DP x SP line; in a real run of one process, a size above 1 is refused."""
+    from superoffload_hf.config import check_sequence_parallel_size
+
+    size = (recipe.superoffload or {}).get("sequence_parallel_size", 1)
+    world = num_processes if dry_run else int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return None
+    if not dry_run and world == 1:
+        raise ConfigError(
+            f"`sequence_parallel_size` is {size}: each sequence is split over {size} processes, and `superoffload "
+            f"train` itself starts one. Start {size} (or a multiple) with `torchrun --nproc_per_node {size} -m "
+            f"superoffload_hf.cli train {argv0} --sequence_parallel_size {size} ...` (gloo on CPUs, NCCL on GPUs), "
+            f"or set `sequence_parallel_size: 1`.")
+    check_sequence_parallel_size(size, world)
+    return (f"parallelism: {world} processes = data parallel {world // size} x sequence parallel {size} "
+            f"(each sequence split over {size} ranks; host state sharded over all {world})")
+
+
 def train_command(argv: Sequence[str]) -> int:
     """`superoffload train RECIPE.yaml [--dry-run] [overrides]`: 0 on success, 2 on a bad recipe."""
     if argv[:1] in (["-h"], ["--help"]):
@@ -198,7 +242,7 @@ def train_command(argv: Sequence[str]) -> int:
                              "train` itself starts one process. Add `--dry-run`, or start N training processes "
                              f"with `torchrun --nproc_per_node N -m superoffload_hf.cli train {argv[0]} ...` "
                              "(data parallel: each rank holds 1/N of the host state; gloo on CPUs, NCCL on GPUs).")
-        overrides = timeline_overrides(tokens)
+        overrides = timeline_overrides(sequence_parallel_option(tokens))
     except ValueError as exc:
         print(f"superoffload train: error: {exc}", file=sys.stderr)
         return 2
@@ -208,11 +252,14 @@ def train_command(argv: Sequence[str]) -> int:
         for warning in recipe.warnings:
             print(f"superoffload train: warning: {warning}", file=sys.stderr)
         check_output_dir(recipe, dry_run, overwrite)
+        split = sequence_parallel_check(recipe, dry_run, num_processes, argv[0])
         if dry_run:
             from superoffload_hf.train.footprint import memory_report
 
             print(_dump_yaml(recipe.to_dict()), end="")
             print(memory_report(recipe, num_processes, num_machines))
+            if split is not None:
+                print(split)
             return 0
         from superoffload_hf.train.hub import check_hub_names_reachable
 
@@ -540,7 +587,8 @@ def _or_na(value: Optional[int]) -> str:
 
 def _summarize(recipe: Recipe, args: Any, trainer: Any, output: Any, recorder: _RunRecorder, checkpoint: str) -> TrainSummary:
     steps = trainer.state.global_step - recorder.start_step
-    sequences_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    sp = int((recipe.superoffload or {}).get("sequence_parallel_size", 1))  # an SP group shares its batch
+    sequences_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size // sp
     counters = optimizer_counters(trainer)
     return TrainSummary(
         steps=steps,

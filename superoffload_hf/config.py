@@ -199,6 +199,12 @@ class SuperOffloadConfig:
     it has received its gradients this many times. Under Accelerate and the HF Trainer the
     integration reads the accumulation boundary from Accelerate's gradient state instead."""
 
+    sequence_parallel_size: int = 1
+    """Ranks that split each sequence (Ulysses sequence parallelism: superoffload_hf.parallel).
+    The world is data parallel x sequence parallel: consecutive groups of this many ranks hold
+    one data-parallel replica's batch, each rank 1/N of every sequence; it must divide the
+    world size (the number of processes). 1: off."""
+
     timeline_dir: Optional[str] = None
     """Write a step timeline of `timeline_steps` to this directory: trace.json (Chrome trace
     format: open it in Perfetto or chrome://tracing) and timeline.png (needs matplotlib: the
@@ -276,6 +282,7 @@ class SuperOffloadConfig:
             raise ConfigError(f"`host_memory_check` is {self.host_memory_check!r}; expected true or false.")
         _check_choice("host_kernel", self.host_kernel, HOST_KERNEL_CHOICES)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
+        _check_int("sequence_parallel_size", self.sequence_parallel_size, minimum=1)
         if self.timeline_dir is not None and not isinstance(self.timeline_dir, str):
             raise ConfigError(f"`timeline_dir` is {self.timeline_dir!r}; expected a directory path (a string) or null.")
         steps = self.timeline_steps
@@ -359,6 +366,16 @@ class SuperOffloadConfig:
 
     def replace(self, **changes: Any) -> "SuperOffloadConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_sequence_parallel_size(size: Any, world: int) -> None:
+    """`sequence_parallel_size` against the world size, once it is known (at launch)."""
+    _check_int("sequence_parallel_size", size, minimum=1)
+    if world % size:
+        raise ConfigError(
+            f"`sequence_parallel_size` is {size} but the world has {world} processes: it must divide the world "
+            f"size (world = data parallel x sequence parallel). Launch a multiple of {size} processes, or set "
+            f"`sequence_parallel_size` to a divisor of {world}.")
 
 
 # ---- validation helpers ----------------------------------------------------------------------

@@ -110,6 +110,16 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         `state_dict()` is then this rank's shard (engine/shard_checkpoint.py)."""
         return self._engine.dp is not None
 
+    def before_collective(self) -> None:
+        """Call before a collective of your own on another process group after step(), ahead of
+        the next backward (sequence parallelism's all-to-alls in the forward: SequenceParallel
+        does): returns once the host worker has issued every weight all-gather step() queued, so
+        that every rank issues the two threads' collectives in one order (NCCL requires it
+        across communicators; engine/dp.py). Costs the copy-backs' overlap with the forward's
+        start. Nothing to do in one process."""
+        if self._engine.dp is not None:
+            self._engine.dp._wait_for_queued_gathers()
+
     def save_sharded(self, directory: str) -> list[str]:
         """Every rank writes its shard to `directory` (optimizer.shard-RRRRR-of-NNNNN.pt; no rank
         gathers the state); after all have, rank 0 writes `optimizer.pt`, a small index, so its

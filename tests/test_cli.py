@@ -398,6 +398,23 @@ def test_num_processes_without_dry_run_is_refused_before_anything_loads(capsys, 
     assert f"`torchrun --nproc_per_node N -m superoffload_hf.cli train {TINY} ...`" in err, err
 
 
+def test_sequence_parallel_size_in_a_dry_run_prints_the_split_and_is_refused_in_one_process(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "train", lambda recipe: pytest.fail("train() ran"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    memory, rank = dry_run_memory(capsys, "--num_processes", "4", "--sequence_parallel_size", "2")
+    assert "parallelism: 4 processes = data parallel 2 x sequence parallel 2" in memory, memory
+    _, dp = dry_run_memory(capsys, "--num_processes", "4")
+    assert rank["master"] == dp["master"]  # the host state is sharded over the whole world either way
+    assert main(["train", TINY, "--dry-run", "--num_processes", "4", "--sequence_parallel_size=3"]) == 2
+    assert "`sequence_parallel_size` is 3 but the world has 4 processes" in capsys.readouterr().err
+    assert main(["train", TINY, "--dry-run", "--sequence_parallel_size", "x"]) == 2
+    assert "sequence_parallel_size" in capsys.readouterr().err
+    assert main(["train", TINY, "--sequence_parallel_size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "`sequence_parallel_size` is 2: each sequence is split over 2 processes" in err, err
+    assert f"torchrun --nproc_per_node 2 -m superoffload_hf.cli train {TINY} --sequence_parallel_size 2" in err, err
+
+
 def test_python_dash_m_runs_the_cli():
     proc = run_cli("--help")
     assert proc.returncode == 0 and "usage: superoffload train" in proc.stdout

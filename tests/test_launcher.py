@@ -131,6 +131,22 @@ def test_launcher_accepts_several_processes_and_machines(tmp_path, monkeypatch):
     assert plan.accelerate_args == ["--num_processes", "4", "--num_machines", "2", "--machine_rank", "1"]
 
 
+@pytest.mark.parametrize("flag", [["--sequence_parallel_size", "2"], ["--sequence_parallel_size=2"]])
+def test_sequence_parallel_size_flag_goes_into_the_block_and_must_divide_the_processes(tmp_path, monkeypatch, capsys,
+                                                                                       flag):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    path = write_config(tmp_path, {"speculation": "on"})
+    plan = launcher.plan_launch(["--config_file", str(path), *flag, "--num_processes", "4", "train.py",
+                                 "--sequence_parallel_size", "9"])
+    assert plan.superoffload == {"speculation": "on", "sequence_parallel_size": 2}
+    assert plan.accelerate_args == ["--num_processes", "4"]
+    assert plan.script_args == ["train.py", "--sequence_parallel_size", "9"]  # the script's own argument
+    assert launcher.main(["--config_file", str(path), *flag, "--num_processes", "3", "train.py"]) == 2
+    assert "`sequence_parallel_size` is 2 but the world has 3 processes" in capsys.readouterr().err
+    assert launcher.main(["--config_file", str(path), "--sequence_parallel_size", "two", "train.py"]) == 2
+    assert "`--sequence_parallel_size` is 'two'; expected an integer >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("processes", [["--num_processes", "2"], ["--num_processes=2"]])
 def test_several_processes_without_gpus_are_started_with_the_multi_process_launcher(tmp_path, monkeypatch, processes,
                                                                                    capsys):

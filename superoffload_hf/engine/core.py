@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from superoffload_hf.config import SuperOffloadConfig
+from superoffload_hf.config import SuperOffloadConfig, check_sequence_parallel_size
 from superoffload_hf.device import make_runtime
 from superoffload_hf.device.collectives import Collectives
 from superoffload_hf.device.transfer import Transfer
@@ -91,6 +91,8 @@ class Engine:
         bus_id = self.runtime.pci_bus_id() if hasattr(self.runtime, "pci_bus_id") else None
         numa_node = pci_numa_node(bus_id) if bus_id else None
         collectives = Collectives.create(process_group, numa_node=numa_node)
+        # SP ranks are data-parallel ranks to the engine (parallel/loss.py scales their gradients)
+        check_sequence_parallel_size(config.sequence_parallel_size, 1 if collectives is None else collectives.world)
         self.dp: Optional[DataParallel] = None  # built below, from the parts it uses
         check_not_ddp(self.params)
         if collectives is not None:

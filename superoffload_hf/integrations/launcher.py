@@ -2,7 +2,8 @@
 
     superoffload launch --config_file recipes/accelerate/superoffload.yaml train.py --bf16 ...
 
-Takes exactly the arguments of `accelerate launch`. Accelerate rejects unknown top-level keys in
+Takes the arguments of `accelerate launch`, plus `--sequence_parallel_size N` (before the
+script; it sets the block's `sequence_parallel_size`: docs/sequence-parallel.md). Accelerate rejects unknown top-level keys in
 its config, so the launcher:
 
 1. reads the accelerate config (`--config_file`, or Accelerate's default config) and pops the
@@ -106,6 +107,7 @@ def plan_launch(argv: list[str]) -> LaunchPlan:
     """Split `argv` as `accelerate launch` would, and strip the superoffload block."""
     from accelerate.commands.launch import launch_command_parser
 
+    sequence_parallel, argv = _sequence_parallel_option(argv)
     parsed = launch_command_parser().parse_args(argv)  # --help and bad arguments exit here
     script_at = len(argv) - len(parsed.training_script_args) - 1
     if argv[script_at] != parsed.training_script:
@@ -114,7 +116,10 @@ def plan_launch(argv: list[str]) -> LaunchPlan:
     config_path = _config_path(parsed)
     config = _read_config(config_path) if config_path is not None else None
     block = _pop_block(config, config_path)
+    if sequence_parallel is not None:
+        block = {**block, "sequence_parallel_size": sequence_parallel}
     _check_combination(parsed, config, block)
+    _check_sequence_parallel(parsed, config, block)
     accelerate_args += cpu_processes_flag(parsed, config)
     suffix = Path(config_path).suffix if config_path is not None else ".yaml"
     return LaunchPlan(accelerate_args, argv[script_at:], config, suffix, block)
@@ -162,6 +167,42 @@ def launch_environment(environ: dict[str, str], block: dict[str, Any], on_cpu: b
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
+SEQUENCE_PARALLEL_FLAG = "--sequence_parallel_size"
+
+
+def _sequence_parallel_option(argv: list[str]) -> tuple[Optional[int], list[str]]:
+    """`--sequence_parallel_size N` (or `=N`) among the launcher's own arguments (before the
+    script, the first `.py` argument: the script's own arguments are left to it)."""
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py"):
+            break
+        name, eq, text = arg.partition("=")
+        if name != SEQUENCE_PARALLEL_FLAG:
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                raise LaunchError(f"`{SEQUENCE_PARALLEL_FLAG}` needs a value, e.g. `{SEQUENCE_PARALLEL_FLAG} 2`.")
+            text, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        else:
+            rest = argv[:i] + argv[i + 1:]
+        if not text.isdigit() or int(text) < 1:
+            raise LaunchError(f"`{SEQUENCE_PARALLEL_FLAG}` is {text!r}; expected an integer >= 1 that divides "
+                              f"`--num_processes`, e.g. `{SEQUENCE_PARALLEL_FLAG} 2`.")
+        return int(text), rest
+    return None, argv
+
+
+def _check_sequence_parallel(parsed: Any, config: Optional[dict[str, Any]], block: dict[str, Any]) -> None:
+    from superoffload_hf.config import ConfigError, check_sequence_parallel_size
+
+    size = block.get("sequence_parallel_size", 1)
+    processes = parsed.num_processes if parsed.num_processes is not None else (config or {}).get("num_processes", 1)
+    try:
+        check_sequence_parallel_size(size, int(processes or 1))  # accelerate's num_processes: the whole world
+    except ConfigError as error:
+        raise LaunchError(f"{error} (`--num_processes` is the world size)") from error
+
 
 
 def _without_config_flag(args: list[str]) -> list[str]:

@@ -9,6 +9,10 @@ With `superoffload=True` three Trainer methods change, and nothing else:
 - `_get_grad_norm`: returns a placeholder that `SuperOffloadCallback` fills with the
   optimizer's `last_grad_norm` right after the step, before the Trainer logs it.
 
+With `sequence_parallel_size` N > 1 (the argument or the config's key) the train dataloader
+and `compute_loss` change too: each SP group of N ranks shares a batch and each rank computes
+the loss on its part of every sequence (`trainer_sequence_parallel.py`).
+
 With superoffload on or off, a checkpoint save that fails (a full disk, Ctrl-C) leaves the
 previous checkpoints as they were and says so (`checkpoint_save.py`).
 
@@ -43,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainingArguments(HFTrainingArguments):
-    """transformers.TrainingArguments plus `superoffload` and `superoffload_config`.
+    """transformers.TrainingArguments plus `superoffload`, `superoffload_config` and `sequence_parallel_size`.
 
     Device dtype: the config's `device_dtype` when it sets one; otherwise bf16=True -> "bf16",
     fp16=True -> "fp16", neither -> "fp32" (full precision, as asked).
@@ -66,6 +70,11 @@ class TrainingArguments(HFTrainingArguments):
         metadata={"help": "SuperOffloadConfig fields: a path to a YAML/JSON file, a JSON string, or "
                           "a dict. Setting it turns `superoffload` on."},
     )
+    sequence_parallel_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "Ranks that split each sequence (Ulysses, docs/sequence-parallel.md): the superoffload "
+                          "config's `sequence_parallel_size` (None: the config's). Turns `superoffload` on."},
+    )
     resume_weights_only: bool = field(
         default=False,
         metadata={"help": "With `resume_from_checkpoint`: load only the model weights of the checkpoint and "
@@ -85,7 +94,7 @@ class TrainingArguments(HFTrainingArguments):
                     f"valid JSON ({error}). Give a JSON object such as '{{\"speculation\": \"off\"}}' "
                     "(quote it for the shell) or the path of a YAML/JSON file."
                 ) from None
-        if self.superoffload_config is not None:
+        if self.superoffload_config is not None or self.sequence_parallel_size is not None:
             self.superoffload = True
         if self.superoffload:
             self._check_superoffload_combination()
@@ -97,7 +106,10 @@ class TrainingArguments(HFTrainingArguments):
         """The superoffload settings (None when superoffload is off)."""
         if not self.superoffload:
             return None
-        return SuperOffloadPlugin.from_value(self.superoffload_config)
+        plugin = SuperOffloadPlugin.from_value(self.superoffload_config)
+        if self.sequence_parallel_size is None:
+            return plugin
+        return SuperOffloadPlugin.from_dict({**plugin.explicit_fields(), "sequence_parallel_size": self.sequence_parallel_size})
 
     def _check_superoffload_combination(self) -> None:
         optim = _optim_name(self.optim)

@@ -28,6 +28,7 @@ from superoffload_hf.integrations.accelerate import (
 from superoffload_hf.integrations.callback import SuperOffloadCallback, shorten_printed_logs, unwrap_optimizer
 from superoffload_hf.engine.shard_checkpoint import shard_files
 from superoffload_hf.integrations import launch_env
+from superoffload_hf.integrations.trainer_sequence_parallel import TrainerSequenceParallel
 from superoffload_hf.integrations.resume import interrupted_report, load_weights_only, resolve_resume
 from superoffload_hf.optimizer import SuperOffloadAdamW
 from superoffload_hf.parallel.tiling import prepare_tiling
@@ -62,6 +63,8 @@ class SuperOffloadHooks:
         self.activation_offload = None  # config `activation_offload`: its hooks, once the optimizer is built
         insert_after_flow_callback(trainer.callback_handler.callbacks, self.callback)
         shorten_printed_logs(trainer.callback_handler.callbacks)  # the superoffload/* keys stay in the records
+        size = plugin.sequence_parallel_size
+        self.sequence_parallel = TrainerSequenceParallel(trainer, size) if size not in (None, 1) else None
 
     @property
     def trainer(self) -> HFTrainer:
@@ -117,6 +120,8 @@ class SuperOffloadHooks:
             check_superoffload_optimizer(trainer.optimizer)  # optimizers=(SuperOffloadAdamW(...), ...)
             trainer.optimizer.max_grad_norm = max_grad_norm(trainer.args)
             trainer.optimizer = wrap_optimizer(trainer.accelerator, trainer.optimizer)
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.set_optimizer(unwrap_optimizer(trainer.optimizer))
         return trainer.optimizer
 
     def _build_optimizer(self, model) -> SuperOffloadAcceleratedOptimizer:
