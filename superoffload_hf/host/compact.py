@@ -58,8 +58,9 @@ Why sqrt(v) is not rounded to nearest: v is an EMA with beta2 = 0.999, so it mov
 far less than half a quantisation step of an 8-bit code (0.2% at q = 255, 5% at q = 10), and the
 group's bf16 scale (spacing 0.4-0.8%) does not follow such a change either: rounded to nearest,
 the re-encoded v comes back as it was, and v can only ratchet up (a large gradient), never decay.
-Measured (benchmarks/README.md, "Compact quality"): on the tiny recipe's model sqrt(v) ended ~10%
-high, updates ~9% small, and the loss after 1000 steps +2% over fp32 on every seed. Stochastic
+Measured (benchmarks/README.md, "Compact quality"): on a synthetic gradient stream sqrt(v) ended
+~10% high after 1000 steps, updates ~9% small; the tiny recipe's loss after 1000 steps was +2%
+over fp32 on every seed (after: within the seeds' scatter). Stochastic
 rounding makes the encode unbiased (E[q] = s * rcp), so v follows its EMA on average. m moves ~10%
 a step (beta1 = 0.9), much more than its steps: nearest.
 
