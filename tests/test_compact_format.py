@@ -62,9 +62,10 @@ def test_round_trip_errors_are_within_half_a_quantisation_step(precision, n):
     # exp_avg: half a step of its group's scale (plus the fp32 rounding of m * (1/scale))
     m_err = (m2.double() - m.double()).abs()
     assert bool((m_err <= per_element(ms, n) * (0.5 + 1e-5)).all())
-    # sqrt(v): half a step, or the forced q = 1 (decoded at or above the true value)
+    # sqrt(v), rounded stochastically: floor or ceil of s / scale (less than a step off), or the
+    # forced q = 1 (decoded at or above the true value)
     s, t = v.double().sqrt(), per_element(vs, n) * vq.double()
-    ok = ((t - s).abs() <= per_element(vs, n) * (0.5 + 1e-5)) | ((vq == 1) & (t >= s))
+    ok = ((t - s).abs() <= per_element(vs, n) * (1 + 1e-5)) | ((vq == 1) & (t >= s))
     assert bool(ok.all())
     assert bool((v2.double() == (t * t).float().double()).all())
 
@@ -174,6 +175,57 @@ def test_nonzero_v_never_decodes_to_zero_even_beside_a_large_one_or_as_a_denorma
     assert bool(((vq > 0) == (v > 0)).all())
 
 
+def test_sqrt_v_dither_is_the_documented_uint32_hash():
+    m = torch.tensor([0.0, -1.5, 3.0e-7, 2.0**-149] + [0.25] * 30 + [1.0], dtype=torch.float64)
+    s = torch.tensor([0.0, 2.0, 1.0e-3, 5.0] + [0.5] * 30 + [7.0], dtype=torch.float64)
+
+    def bits(x):
+        return struct.unpack("I", struct.pack("f", x))[0]
+
+    def by_hand(mf, sf, lane):
+        h = bits(sf) ^ ((bits(mf) * 0x9E3779B1) & 0xFFFFFFFF) ^ ((lane * 0x632BE5AB) & 0xFFFFFFFF)
+        h ^= h >> 16
+        h = (h * 0x7FEB352D) & 0xFFFFFFFF
+        h ^= h >> 15
+        h = (h * 0x846CA68B) & 0xFFFFFFFF
+        h ^= h >> 16
+        return (h >> 8) / 2.0**24
+
+    want = [by_hand(float(a), float(b), i % G) for i, (a, b) in enumerate(zip(m, s))]
+    assert compact.sqrt_v_dither(m, s).tolist() == want
+    assert len(set(want[4:32])) == 28  # equal values at different places in a group: different dithers
+
+
+def test_sqrt_v_rounds_without_bias():
+    # groups with amax 255 (scale 1): every other s = 10.3 rounds up with probability 0.3
+    n = 32 * 2000
+    s = torch.full((n,), 10.3, dtype=torch.float64)
+    s[::32] = 255.0
+    m = torch.randn(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    q, scale = compact.encode_exp_avg_sq(s * s, m)
+    assert set(scale.float().tolist()) == {1.0}
+    rest = q[torch.arange(n) % 32 != 0].double()
+    assert set(rest.tolist()) == {10.0, 11.0}
+    assert abs(float(rest.mean()) - 10.3) < 0.01  # nearest gives 10 everywhere
+    assert bool((q[::32] == 255).all())
+
+
+def test_v_follows_its_decay_under_zero_gradients():
+    # beta2 = 0.999 shrinks v by 0.1% a step, far below half a step of the 8-bit code and of the
+    # bf16 scale's spacing: rounded to nearest, v came back unchanged every step (stuck where it
+    # was: 0.99998 of itself here; compact_ablation.py --synthetic: sqrt(v) ~10% high after 1000
+    # steps); rounded without bias it decays.
+    n, steps = 32 * 64, 300
+    p, m, v, _ = random_state(n, seed=5)
+    state = encoded(p, m, v.abs() + 1e-6)
+    v0 = compact.decode_float64(*state)[2]
+    for t in range(1, steps + 1):
+        compact.compact_step_(*state, torch.zeros(n), **dict(HYPERS[0], step=t))
+    ratio = float(compact.decode_float64(*state)[2].sum() / v0.sum())
+    expected = float(torch.tensor(0.999, dtype=torch.float32)) ** steps
+    assert abs(ratio - expected) < 0.03 * expected, (ratio, expected)
+
+
 def test_denormal_and_tiny_moments_quantise_without_nan_or_inf():
     m = torch.tensor([2.0**-149, -(2.0**-149)] * 16 + [1e-39] * 32)
     state = encoded(torch.zeros(64), m, m.abs())
@@ -253,7 +305,7 @@ def test_step_matches_float64_adam_on_the_decoded_state_within_the_quantisation(
         assert bool(((after[1] - m64).abs() <= per_element(ms, n) * 0.51 + slack["exp_avg"]).all()), what
         s = after[2].sqrt()
         s_slack = slack["exp_avg_sq"] / v64.sqrt().clamp(min=1e-30)  # d sqrt(v) = dv / (2 sqrt(v))
-        ok = ((s - v64.sqrt()).abs() <= per_element(vs, n) * 0.51 + s_slack) | (vq == 1)
+        ok = ((s - v64.sqrt()).abs() <= per_element(vs, n) * 1.01 + s_slack) | (vq == 1)
         assert bool(ok.all()), what
 
 

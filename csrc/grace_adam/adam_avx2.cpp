@@ -292,6 +292,20 @@ GRACE_ADAM_INLINE void update_group(const CompactBuffers& b, const void* g, cons
   }
 }
 
+// sqrt_v_dither_bits lane by lane, as the float u in [0, 1) (grace_adam.h).
+GRACE_ADAM_INLINE __m256 sqrt_v_dither_vec(__m256 mv, __m256 sv, int64_t first_lane) {
+  const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first_lane)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i h = _mm256_xor_si256(_mm256_castps_si256(sv),
+                               _mm256_mullo_epi32(_mm256_castps_si256(mv), _mm256_set1_epi32(static_cast<int>(kDitherM))));
+  h = _mm256_xor_si256(h, _mm256_mullo_epi32(lane, _mm256_set1_epi32(static_cast<int>(kDitherLane))));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kDitherMix1)));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kDitherMix2)));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f));
+}
+
 // Pass 2 on one group: q from the new m and s (quantise_exp_avg, quantise_sqrt_v); a non-finite
 // group stores zeros (its scale is NaN; cvtps of NaN would give INT_MIN).
 GRACE_ADAM_INLINE void quantise_group(const CompactBuffers& b, const float* m_in, const float* s_in, float m_rcp_f,
@@ -301,9 +315,11 @@ GRACE_ADAM_INLINE void quantise_group(const CompactBuffers& b, const float* m_in
   __m256i mq[kGroupVecs], vq[kGroupVecs];
   for (int u = 0; u < kGroupVecs; ++u) {
     const int64_t i = u * kWidth;
-    mq[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(m_in + i), m_rcp));
+    const __m256 mv = _mm256_load_ps(m_in + i);
+    mq[u] = _mm256_cvtps_epi32(_mm256_mul_ps(mv, m_rcp));
     const __m256 sv = _mm256_load_ps(s_in + i);
-    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(sv, s_rcp));
+    const __m256 z = _mm256_add_ps(_mm256_mul_ps(sv, s_rcp), sqrt_v_dither_vec(mv, sv, i));
+    const __m256i q = _mm256_min_epi32(_mm256_cvttps_epi32(z), _mm256_set1_epi32(255));
     const __m256i positive = _mm256_cmpgt_epi32(_mm256_castps_si256(sv), _mm256_setzero_si256());
     vq[u] = _mm256_max_epi32(q, _mm256_and_si256(positive, one));  // a nonzero v never encodes to 0
   }

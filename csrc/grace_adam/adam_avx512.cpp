@@ -295,6 +295,21 @@ GRACE_ADAM_INLINE void update_group(const CompactBuffers& b, const void* g, cons
   }
 }
 
+// sqrt_v_dither_bits lane by lane, as the float u in [0, 1) (grace_adam.h).
+GRACE_ADAM_INLINE __m512 sqrt_v_dither_vec(__m512 mv, __m512 sv, int64_t first_lane) {
+  const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first_lane)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512i h = _mm512_xor_si512(_mm512_castps_si512(sv),
+                               _mm512_mullo_epi32(_mm512_castps_si512(mv), _mm512_set1_epi32(static_cast<int>(kDitherM))));
+  h = _mm512_xor_si512(h, _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(kDitherLane))));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kDitherMix1)));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kDitherMix2)));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
+}
+
 // Pass 3 on one group: q from the new m and s and the group's reciprocals (quantise_exp_avg,
 // quantise_sqrt_v); a non-finite group stores zeros (cvt of NaN would give INT_MIN).
 GRACE_ADAM_INLINE void quantise_group(const CompactBuffers& b, const float* m_in, const float* s_in, float m_rcp_f,
@@ -303,10 +318,12 @@ GRACE_ADAM_INLINE void quantise_group(const CompactBuffers& b, const float* m_in
   const __mmask16 km = m_finite ? 0xffff : 0, ks = s_finite ? 0xffff : 0;
   for (int u = 0; u < kGroupVecs; ++u) {
     const int64_t i = u * kWidth;
-    const __m512i mq = _mm512_maskz_cvt_roundps_epi32(km, _mm512_mul_ps(_mm512_load_ps(m_in + i), m_rcp),
+    const __m512 mv = _mm512_load_ps(m_in + i);
+    const __m512i mq = _mm512_maskz_cvt_roundps_epi32(km, _mm512_mul_ps(mv, m_rcp),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 sv = _mm512_load_ps(s_in + i);
-    __m512i vq = _mm512_maskz_cvt_roundps_epi32(ks, _mm512_mul_ps(sv, s_rcp), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 z = _mm512_add_ps(_mm512_mul_ps(sv, s_rcp), sqrt_v_dither_vec(mv, sv, i));
+    __m512i vq = _mm512_min_epi32(_mm512_maskz_cvttps_epi32(ks, z), _mm512_set1_epi32(255));
     const __mmask16 positive = ks & _mm512_cmpgt_epi32_mask(_mm512_castps_si512(sv), _mm512_setzero_si512());
     vq = _mm512_mask_max_epi32(vq, positive, vq, _mm512_set1_epi32(1));  // a nonzero v never encodes to 0
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b.mq + i), _mm512_cvtsepi32_epi8(mq));

@@ -197,6 +197,20 @@ GRACE_ADAM_INLINE void master_encode_vec(float32x4_t w, int b, uint32x4_t& hb, i
   e = vbicq_s32(q, vreinterpretq_s32_u32(not_finite));
 }
 
+// sqrt_v_dither_bits lane by lane, as the float u in [0, 1) (grace_adam.h).
+GRACE_ADAM_INLINE float32x4_t sqrt_v_dither_vec(float32x4_t mv, float32x4_t sv, int64_t first_lane) {
+  const uint32_t lanes[4] = {0, 1, 2, 3};
+  const uint32x4_t lane = vaddq_u32(vdupq_n_u32(static_cast<uint32_t>(first_lane)), vld1q_u32(lanes));
+  uint32x4_t h = veorq_u32(vreinterpretq_u32_f32(sv), vmulq_n_u32(vreinterpretq_u32_f32(mv), kDitherM));
+  h = veorq_u32(h, vmulq_n_u32(lane, kDitherLane));
+  h = veorq_u32(h, vshrq_n_u32(h, 16));
+  h = vmulq_n_u32(h, kDitherMix1);
+  h = veorq_u32(h, vshrq_n_u32(h, 15));
+  h = vmulq_n_u32(h, kDitherMix2);
+  h = veorq_u32(h, vshrq_n_u32(h, 16));
+  return vmulq_n_f32(vcvtq_f32_u32(vshrq_n_u32(h, 8)), 0x1p-24f);
+}
+
 template <int B, GradDtype GD, bool L2>
 GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g, const Vcoeffs& k) {
   using Err = std::conditional_t<B == 7, int8_t, int16_t>;
@@ -250,7 +264,8 @@ GRACE_ADAM_INLINE void compact_full_group(const CompactBuffers& b, const void* g
     for (int h = 0; h < 2; ++h) {
       const float32x4_t s = s_new[2 * u + h];
       mq[h] = vcvtnq_s32_f32(vmulq_n_f32(m_new[2 * u + h], ms.rcp));
-      const int32x4_t q = vcvtnq_s32_f32(vmulq_n_f32(s, ss.rcp));
+      const float32x4_t z = vaddq_f32(vmulq_n_f32(s, ss.rcp), sqrt_v_dither_vec(m_new[2 * u + h], s, i + h * kWidth));
+      const int32x4_t q = vminq_s32(vcvtq_s32_f32(z), vdupq_n_s32(255));  // z >= 0: truncation is floor
       const int32x4_t positive = vreinterpretq_s32_u32(vcgtq_f32(s, vdupq_n_f32(0.0f)));
       vq[h] = vmaxq_s32(q, vandq_s32(positive, vdupq_n_s32(1)));  // a nonzero v never encodes to 0
     }

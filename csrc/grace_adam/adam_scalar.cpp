@@ -114,7 +114,7 @@ void store_compact_moments(const CompactBuffers& b, const float* m, const float*
   b.vs[0] = ss.bits;
   for (int64_t i = 0; i < len; ++i) {
     b.mq[i] = ms.finite ? static_cast<int8_t>(quantise_exp_avg(m[i], ms.rcp)) : 0;
-    b.vq[i] = ss.finite ? static_cast<uint8_t>(quantise_sqrt_v(s[i], ss.rcp)) : 0;
+    b.vq[i] = ss.finite ? static_cast<uint8_t>(quantise_sqrt_v(s[i], ss.rcp, m[i], static_cast<uint32_t>(i))) : 0;
   }
 }
 

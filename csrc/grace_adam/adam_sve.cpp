@@ -315,7 +315,18 @@ void compact_group_sve(const CompactBuffers& b, const void* g, int64_t len, cons
     const svbool_t pg = svwhilelt_b32_s64(i, len);
     const svfloat32_t s = svld1_f32(pg, s_new + i);
     svint32_t mq = svcvt_s32_f32_x(pg, svrintn_f32_x(pg, svmul_n_f32_x(pg, svld1_f32(pg, m_new + i), ms.rcp)));
-    svint32_t vq = svcvt_s32_f32_x(pg, svrintn_f32_x(pg, svmul_n_f32_x(pg, s, ss.rcp)));
+    const svfloat32_t mv = svld1_f32(pg, m_new + i);
+    // sqrt_v_dither_bits lane by lane (grace_adam.h); z >= 0: the truncating conversion is floor
+    svuint32_t h = sveor_u32_x(pg, svreinterpret_u32_f32(s), svmul_n_u32_x(pg, svreinterpret_u32_f32(mv), kDitherM));
+    h = sveor_u32_x(pg, h, svmul_n_u32_x(pg, svindex_u32(static_cast<uint32_t>(i), 1), kDitherLane));
+    h = sveor_u32_x(pg, h, svlsr_n_u32_x(pg, h, 16));
+    h = svmul_n_u32_x(pg, h, kDitherMix1);
+    h = sveor_u32_x(pg, h, svlsr_n_u32_x(pg, h, 15));
+    h = svmul_n_u32_x(pg, h, kDitherMix2);
+    h = sveor_u32_x(pg, h, svlsr_n_u32_x(pg, h, 16));
+    const svfloat32_t dither = svmul_n_f32_x(pg, svcvt_f32_u32_x(pg, svlsr_n_u32_x(pg, h, 8)), 0x1p-24f);
+    const svfloat32_t z = svadd_f32_x(pg, svmul_n_f32_x(pg, s, ss.rcp), dither);
+    svint32_t vq = svmin_n_s32_x(pg, svcvt_s32_f32_x(pg, z), 255);
     vq = svmax_s32_m(svcmpgt_n_f32(pg, s, 0.0f), vq, svdup_n_s32(1));  // a nonzero v never encodes to 0
     // A non-finite group stores zeros (its scale is NaN).
     if (!ms.finite) mq = svdup_n_s32(0);

@@ -289,8 +289,24 @@ inline GroupScale exp_avg_sq_scale(uint32_t amax_bits) {
 
 // q of one element of a finite group (|x| <= the group's amax, so |q| <= levels without a clamp).
 inline int32_t quantise_exp_avg(float m, float rcp) { return static_cast<int32_t>(std::nearbyint(m * rcp)); }
-inline int32_t quantise_sqrt_v(float s, float rcp) {
-  const int32_t q = static_cast<int32_t>(std::nearbyint(s * rcp));
+// sqrt(v) rounds stochastically (compact.py says why): the dither is 24 bits of a hash of the new
+// m and s bits and the element's index in its group, in uint32 arithmetic (kDither* below).
+constexpr uint32_t kDitherM = 0x9E3779B1u, kDitherLane = 0x632BE5ABu, kDitherMix1 = 0x7FEB352Du,
+                   kDitherMix2 = 0x846CA68Bu;
+inline uint32_t sqrt_v_dither_bits(float m, float s, uint32_t lane) {
+  uint32_t h = f32_bits(s) ^ (f32_bits(m) * kDitherM) ^ (lane * kDitherLane);
+  h ^= h >> 16;
+  h *= kDitherMix1;
+  h ^= h >> 15;
+  h *= kDitherMix2;
+  h ^= h >> 16;
+  return h >> 8;
+}
+inline int32_t quantise_sqrt_v(float s, float rcp, float m, uint32_t lane) {
+  const float y = s * rcp;
+  const float z = y + static_cast<float>(sqrt_v_dither_bits(m, s, lane)) * 0x1p-24f;
+  int32_t q = static_cast<int32_t>(z);  // z >= 0: truncation is floor
+  q = q > 255 ? 255 : q;
   return q < 1 && s > 0.0f ? 1 : q;  // a nonzero v never encodes to 0
 }
 

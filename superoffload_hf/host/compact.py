@@ -49,9 +49,32 @@ Moments, per group of G elements (m and s = sqrt(v) after the update, both fp32)
         scale = max(bf16_round_up(amax / Q), FLOOR)   FLOOR = 2**-126 (m), 2**-74 (s)
         rcp   = 1 / scale                              (fp32 division, once per group)
         q     = rne(x * rcp)                           |q| <= Q without clamping (x <= amax)
-        s only: q = max(q, 1) where s > 0: a nonzero v never encodes to 0 (a zero v under a
-                nonzero m would divide by eps)
+        s instead rounds stochastically with a dither computed from the data (below), then
+                q = min(q, 255), and q = max(q, 1) where s > 0: a nonzero v never encodes to 0 (a
+                zero v under a nonzero m would divide by eps)
     decode: m = q * scale (exact);  t = q * scale (exact), v = t * t (one rounding)
+
+Why sqrt(v) is not rounded to nearest: v is an EMA with beta2 = 0.999, so it moves ~0.05% a step,
+far less than half a quantisation step of an 8-bit code (0.2% at q = 255, 5% at q = 10), and the
+group's bf16 scale (spacing 0.4-0.8%) does not follow such a change either: rounded to nearest,
+the re-encoded v comes back as it was, and v can only ratchet up (a large gradient), never decay.
+Measured (benchmarks/README.md, "Compact quality"): on a synthetic gradient stream sqrt(v) ended
+~10% high after 1000 steps, updates ~9% small; the tiny recipe's loss after 1000 steps was +2%
+over fp32 on every seed (after: within the seeds' scatter). Stochastic
+rounding makes the encode unbiased (E[q] = s * rcp), so v follows its EMA on average. m moves ~10%
+a step (beta1 = 0.9), much more than its steps: nearest.
+
+The dither is 24 bits of a hash of the element's new fp32 m and s bits and its index j in the
+group (0..31), all in uint32 arithmetic modulo 2**32 (every ISA computes the same integers)::
+
+    h = bits(s) ^ (bits(m) * 0x9E3779B1) ^ (j * 0x632BE5AB)
+    h ^= h >> 16;  h *= 0x7FEB352D;  h ^= h >> 15;  h *= 0x846CA68B;  h ^= h >> 16
+    u = (h >> 8) * 2**-24                          (exact, in [0, 1))
+    q = trunc(fp32(fp32(s * rcp) + u))             (s * rcp >= 0: trunc is floor)
+
+An element whose state changes changes its dither; the result is a function of the stored state
+and the gradient only (resume and rollback replay bit for bit). Decode is unchanged: compact bytes
+written before this rounding (checkpoints included) decode and load as they are.
 
 bf16_round_up(x) is the least bf16 >= x (x >= 0: add one to the high 16 bits when the low 16 are
 nonzero). The floors keep 1/scale finite (m) and a decoded nonzero v nonzero ((2**-74)**2 =
@@ -265,16 +288,41 @@ def encode_exp_avg(m: torch.Tensor) -> tuple:
     return _quantise(m64, rcp, not_finite).to(torch.int8), scale
 
 
-def encode_exp_avg_sq(v: torch.Tensor) -> tuple:
-    """(q uint8 of sqrt(v), scale bf16) of fp32 v."""
+def encode_exp_avg_sq(v: torch.Tensor, m: torch.Tensor) -> tuple:
+    """(q uint8 of sqrt(v), scale bf16) of fp32 v, beside the fp32 m whose bits seed the dither."""
     s = to_fp32(torch.sqrt(to_fp32(v.to(torch.float64))))
-    return _encode_sqrt(s)
+    return _encode_sqrt(s, to_fp32(m.to(torch.float64)))
 
 
-def _encode_sqrt(s: torch.Tensor) -> tuple:
+_U32 = 0xFFFFFFFF
+
+
+def _mul_u32(a: torch.Tensor, k: int) -> torch.Tensor:
+    """a * k mod 2**32 for uint32 values a in int64 (split so no product leaves int64)."""
+    return ((a * (k & 0xFFFF)) + (((a * (k >> 16)) & 0xFFFF) << 16)) & _U32
+
+
+def sqrt_v_dither(m64: torch.Tensor, s64: torch.Tensor) -> torch.Tensor:
+    """The dither u in [0, 1) of each element's sqrt(v) encode (module docstring), as float64."""
+    n = s64.numel()
+    lane = torch.arange(n, dtype=torch.int64) % COMPACT_GROUP
+    h = (_fp32_bits(s64).to(torch.int64) & _U32) ^ _mul_u32(_fp32_bits(m64).to(torch.int64) & _U32, 0x9E3779B1)
+    h = h ^ _mul_u32(lane, 0x632BE5AB)
+    h = h ^ (h >> 16)
+    h = _mul_u32(h, 0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = _mul_u32(h, 0x846CA68B)
+    h = h ^ (h >> 16)
+    return (h >> 8).to(torch.float64) * 2.0**-24
+
+
+def _encode_sqrt(s: torch.Tensor, m: torch.Tensor) -> tuple:
+    n = s.numel()
     scale, rcp, not_finite = encode_group_scales(s, _S_LEVELS, _S_SCALE_FLOOR)
-    q = _quantise(s, rcp, not_finite)
-    q = torch.where((s > 0) & (q < 1) & ~_expand(not_finite, s.numel()), torch.ones_like(q), q)
+    y = to_fp32(_grouped(s) * rcp[:, None]).reshape(-1)[:n]
+    q = torch.trunc(to_fp32(y + sqrt_v_dither(m, s))).clamp(max=_S_LEVELS)
+    q = torch.where(_expand(not_finite, n) | ~torch.isfinite(q), torch.zeros_like(q), q)
+    q = torch.where((s > 0) & (q < 1) & ~_expand(not_finite, n), torch.ones_like(q), q)
     return q.to(torch.uint8), scale
 
 
@@ -346,7 +394,7 @@ def check_grad(grad: torch.Tensor, n: int) -> None:
 def _store(master_bf16, master_err, exp_avg_q, exp_avg_scale, exp_avg_sq_q, exp_avg_sq_scale, p64, m64, s64):
     hi, err = encode_master(p64.to(torch.float32), master_err.dtype)
     mq, ms = encode_exp_avg(m64)
-    vq, vs = _encode_sqrt(s64)
+    vq, vs = _encode_sqrt(s64, m64)
     for dst, src in ((master_bf16, hi), (master_err, err), (exp_avg_q, mq), (exp_avg_scale, ms),
                      (exp_avg_sq_q, vq), (exp_avg_sq_scale, vs)):
         dst.copy_(src)
