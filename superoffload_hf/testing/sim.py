@@ -374,23 +374,31 @@ class _AutogradDeviceThread:
             if job is None:
                 return
             job()
+            # Hold nothing while waiting: a job left bound here kept its backward's loss and graph
+            # alive until the next job, and that next job (stop()'s None at exit) then freed them
+            # on this daemon thread during interpreter shutdown, where taking the GIL ends the
+            # thread inside a C++ destructor: std::terminate, the process aborted after its tests.
+            del job
 
     def run(self, fn):
         """Run `fn()` there with the caller's current stream; block; return or raise its outcome."""
         sim = self._sim_ref()
         stream, seen = sim.current_stream(), sim._threads.seen_compute
-        outcome, done = [], threading.Event()
+        outcome, done, work = [], threading.Event(), [fn]
+        del fn
 
         def job():
             state = sim._threads
             state.autograd_device_thread = True
             state.seen_compute = max(state.seen_compute, seen)
+            backward = work.pop()
             try:
                 with sim.thread_device(), sim.on_stream(stream), _BackwardClock(sim):
-                    outcome.append((True, fn()))
+                    outcome.append((True, backward()))
             except BaseException as error:  # noqa: BLE001 - re-raised in the caller
                 outcome.append((False, error))
             finally:
+                del backward  # (its tensors: freed by the caller's thread, not this one; see _serve)
                 outcome.append(state.seen_compute)
                 done.set()
 
