@@ -449,8 +449,12 @@ def test_compact_shard_checkpoints_convert_from_and_to_fp32_state_on_load():
 # back, the step skipped). With `rollback: inverse` a mere rollback leaves the master within its
 # stated bound of the weights before the step: stationary's device keeps those weights (no
 # copy-back), flow fetches the master, so that case is checked against torch (train() does, every
-# step) and not bitwise. Compact state (snapshot rollback, exact) flows its bf16 part.
+# step) and not bitwise. Compact state (snapshot rollback, exact) flows its bf16 part. The fp32
+# pair again with 2 micro-batches per step (each unit fetched for 2 forwards and 2 backwards per
+# step; the reduce-scatters only after the second), and with the head tied to the embedding (one
+# unit, used at both ends of the forward, its gradient complete only after the embedding's backward).
 FLOW = dict(speculation="on", clip="mild", steps=4, poison_rank=1, poison_steps=(2,), poison_value=float("inf"))
+FLOW_VARIANTS = {"fp32": {}, "fp32_accumulation": {"accumulation": 2}, "fp32_tied": {"tied": True}}
 
 
 def _flow_scenarios(rank, world, save_dir):
@@ -465,6 +469,9 @@ def _flow_scenarios(rank, world, save_dir):
            "compact_flow": train_compact(rank, world, steps=4, weights="flow", **COMPACT)}
     if save_dir is None:  # (the simulated device: the seam, not the variants)
         return out
+    for variant, kw in FLOW_VARIANTS.items():
+        if kw:
+            out.update({f"{variant}_{weights}": fp32(weights, **kw) for weights in ("stationary", "flow")})
     return {**out, "forward_between": _flow_forward_between_backward_and_step(),
             "rank0_state_dict": _flow_state_dict_on_rank_0_after_fetch_weights(rank),
             "fp32_flow_inverse_rollback": fp32("flow", "inverse"),
@@ -518,15 +525,21 @@ def flow_results(sim: bool) -> list[dict]:
                      env={"SUPEROFFLOAD_SIM_DEVICE": "1"} if sim else None)
 
 
-@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "sim"])
-@pytest.mark.parametrize("state", ["fp32", "compact"])
+@pytest.mark.parametrize("state, sim", [
+    *[(state, sim) for sim in (False, True) for state in ("fp32", "compact")],
+    *[(variant, False) for variant in FLOW_VARIANTS if variant != "fp32"],  # (the CPU only: see _flow_scenarios)
+], ids=lambda value: ("sim" if value else "cpu") if isinstance(value, bool) else value)
 def test_weight_flow_on_two_ranks_equals_stationary_every_parameter_every_step_bitwise(state, sim):
+    units = 5 if state == "fp32_tied" else 6  # (tied: the embedding and the head are one unit)
+    micro_batches_per_step = FLOW_VARIANTS.get(state, {}).get("accumulation", 1)
     for rank, result in enumerate(flow_results(sim)):
         want, got = result[f"{state}_stationary"], result[f"{state}_flow"]
         assert got["digests"] == want["digests"], f"rank {rank} {state}: flow differs from stationary"
         assert got["skipped"] == want["skipped"] and any(got["skipped"]), got["skipped"]
         assert got["counters"]["rollbacks"] > 0 and got["counters"]["replays"] > 0, got["counters"]
-        assert "weights flow: 6 units" in got["summary"] and "data parallel rank" in got["summary"]
+        assert f"weights flow: {units} units" in got["summary"] and "data parallel rank" in got["summary"]
+        # each unit fetched for every forward and every backward (at least: a state_dict fetches too)
+        assert got["counters"]["weight_fetches"] >= 2 * units * micro_batches_per_step * len(got["digests"])
         if state == "compact":
             _assert_same_state(got["state"], want["state"], f"rank {rank}: compact state under flow")
     assert flow_results(sim)[0][f"{state}_flow"]["digests"] == flow_results(sim)[1][f"{state}_flow"]["digests"]
