@@ -95,8 +95,9 @@ class SuperOffloadConfig:
     about two units of weights. Under data parallelism each fetch all-gathers the unit's buckets
     from the ranks' shards (a collective: every rank runs the same forwards, and calls
     `model.state_dict()` together). "auto": flow when the weights and the engine's device
-    buffers do not fit in the free device memory, else stationary (under data parallelism:
-    stationary). `device_dtype` fp32 or bf16 (docs/weight-flow.md)."""
+    buffers do not fit in the free device memory, else stationary (under data parallelism: flow
+    on every rank when they do not fit on some rank's device). `device_dtype` fp32 or bf16
+    (docs/weight-flow.md)."""
 
     host_threads: Union[int, str] = AUTO
     """Threads of the host Adam kernel's own pool. "auto": the cores this process may run on

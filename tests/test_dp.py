@@ -565,3 +565,43 @@ def test_a_forward_between_backward_and_step_that_would_read_a_speculated_shard_
 def test_saving_from_rank_0_alone_after_fetch_weights_on_every_rank_fetches_nothing_there():
     zero, one = (r["rank0_state_dict"] for r in flow_results(False))
     assert zero["digest"] is not None and zero["fetches_in_state_dict"] == 0 == one["fetches_in_state_dict"]
+
+
+# ---- "auto" under data parallelism: one decision for every rank -----------------------------------
+#
+# The simulated device of rank 1 holds the weights but not the engine's device buffers as well,
+# rank 0's everything: "auto" flows on both ranks (each deciding alone, rank 0 would keep them
+# stationary and the ranks' collectives would part), and "stationary" is refused on both (rank 0's
+# message says another rank's device is short).
+def _auto_under_data_parallelism(rank, world):
+    import torch
+
+    from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.testing.sim import SimRuntime
+    from _dp_train import engine_config, micro_batches, tiny_llama
+
+    model = tiny_llama()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # rank 1: room for the weights (close() gathers them all back onto the device), not for the
+    # engine's device buffers as well
+    SimRuntime.reset_shared(**({"device_budget_bytes": weight_bytes * 9 // 8} if rank == 1 else {}))
+    out = {}
+    for weights in ("auto", "stationary"):
+        try:
+            with SuperOffloadAdamW(model.parameters(), model=model,
+                                   config=engine_config(device_buckets=0, weights=weights)) as opt:
+                model(**micro_batches(rank)[0]).loss.backward()
+                opt.step()
+                out[weights] = opt.describe()
+        except torch.OutOfMemoryError as error:
+            out[weights] = f"refused: {error}"
+    SimRuntime.reset_shared()
+    return out
+
+
+def test_auto_under_data_parallelism_flows_on_every_rank_when_one_rank_s_device_is_too_small():
+    zero, one = run_ranks(_auto_under_data_parallelism, 2, deadline_s=90, env={"SUPEROFFLOAD_SIM_DEVICE": "1"})
+    for result in (zero, one):
+        assert "weights flow: 6 units" in result["auto"], result["auto"]
+        assert result["stationary"].startswith("refused: `weights: stationary`"), result["stationary"]
+    assert "another rank's has not" in zero["stationary"] and "another rank's" not in one["stationary"]

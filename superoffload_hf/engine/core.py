@@ -35,7 +35,7 @@ from superoffload_hf.engine.buckets import BucketSet
 from superoffload_hf.engine.collect import Collector
 from superoffload_hf.engine.commit import Committer
 from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_ddp, sharding
-from superoffload_hf.engine.flow import WeightFlow, check_model_given, decide_weights, find_units, plan_flow
+from superoffload_hf.engine.flow import WeightFlow, decide_weights, find_units, plan_flow
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
@@ -98,16 +98,18 @@ class Engine:
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
         self.layout.flow = config.weights == "flow"
         self.cast = self.layout.resolve_cast(self.transfer)
-        if collectives is None:  # (decided from the stationary layout's memory; flow needs the model)
-            stationary = self.layout.buffer_policy(self.cast, self.transfer.pin_memory,
-                                                   self.runtime.pinned_rounds_to_power_of_two,
-                                                   host_is_device=self.runtime.host_is_device)
-            flow = decide_weights(config.weights, self.layout.initial_plan(), stationary, self.runtime, model)
-            if flow == "flow" and not self.layout.flow:
-                self.layout.flow = True
-                self.cast = self.layout.resolve_cast(self.transfer)
-        else:  # data parallel: "auto" keeps the weights stationary (one decision for every rank)
-            check_model_given(config.weights, model)
+        # decided from the stationary layout's memory (flow needs the model); data parallel: on
+        # every rank's device, one decision for all (a collective on every rank)
+        stationary = self.layout.buffer_policy(self.cast, self.transfer.pin_memory,
+                                               self.runtime.pinned_rounds_to_power_of_two,
+                                               host_is_device=self.runtime.host_is_device,
+                                               shard_world=None if collectives is None
+                                               else collectives.topology.shard_world)
+        flow = decide_weights(config.weights, self.layout.initial_plan(), stationary, self.runtime, model,
+                              None if collectives is None else collectives.all_ranks_true)
+        if flow == "flow" and not self.layout.flow:
+            self.layout.flow = True
+            self.cast = self.layout.resolve_cast(self.transfer)
         self.host_threads_note = "set"
         threads = config.host_threads
         placement = host_placement(self.config.host_cores, collectives, numa_node)
