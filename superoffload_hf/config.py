@@ -101,8 +101,8 @@ class SuperOffloadConfig:
     fetch all-gathers the unit's buckets from the ranks' shards (a collective: every rank runs
     the same forwards, and calls `model.state_dict()` together). "auto": flow when the weights,
     the engine's device buffers and `device_activation_bytes` do not fit in the free device
-    memory, else stationary (under data parallelism: stationary); when it flows, per unit: the
-    fewest units flowing that fit, the units whose fetch hides best behind their compute first
+    memory, else stationary (under data parallelism: flow on every rank, every unit, when they do
+    not fit on some rank's device); in one process, when it flows, per unit: the fewest units flowing that fit, the units whose fetch hides best behind their compute first
     (the others stay on the device), prefetched as deep as the link speed and the forward time
     measured in the first step call for (engine/flow_choice.py). `device_dtype` fp32 or bf16
     (docs/weight-flow.md)."""

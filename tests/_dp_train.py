@@ -29,15 +29,18 @@ LAYERS = 4  # TinyLM's blocks
 
 class TinyLM(torch.nn.Module):
     """A causal LM small enough to start fast in a spawned process (no transformers import):
-    embedding, residual MLP blocks with LayerNorm, untied head; `model(**batch).loss`."""
+    embedding, residual MLP blocks with LayerNorm, a head (`tied`: the embedding's weight);
+    `model(**batch).loss`."""
 
-    def __init__(self, vocab: int = 128, hidden: int = 32, layers: int = LAYERS):
+    def __init__(self, vocab: int = 128, hidden: int = 32, layers: int = LAYERS, tied: bool = False):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, hidden)
         self.layers = torch.nn.ModuleList(torch.nn.Sequential(
             torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
             torch.nn.Linear(2 * hidden, hidden)) for _ in range(layers))
         self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
         self.skip: frozenset = frozenset()  # indices of layers this forward leaves out (no gradient)
 
     def forward(self, input_ids, labels):
@@ -51,10 +54,10 @@ class TinyLM(torch.nn.Module):
         return types.SimpleNamespace(loss=loss)
 
 
-def tiny_llama(seed: int = 0) -> TinyLM:  # the name the checks below use
+def tiny_llama(seed: int = 0, tied: bool = False) -> TinyLM:  # the name the checks below use
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return TinyLM()
+        return TinyLM(tied=tied)
 
 LR = 1e-3
 CLIPS = {"never": lambda step: 1e6, "always": lambda step: 1e-3, "mild": lambda step: RelativeMaxNorm(0.9),
@@ -118,7 +121,7 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
           config: Optional[dict] = None, check_state: bool = True, start_step: int = 0,
           save_dir: Optional[str] = None, load_dir: Optional[str] = None,
           shard_group_size: Optional[int] = None, idle=(), skip: Optional[dict] = None,
-          eps: float = 1e-8, poison_value: float = float("nan")) -> dict:
+          eps: float = 1e-8, poison_value: float = float("nan"), tied: bool = False) -> dict:
     """Returns the per-step parameter digests (bitwise identity across ranks is the caller's).
     `idle`: (rank, step) pairs where that rank runs no backward at all; `skip`: layers a rank leaves
     out of a step or micro-batch (see skipped_layers); where every rank leaves a layer out, its
@@ -126,12 +129,13 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
     skips a parameter whose grad is None).
     `save_dir`: after training, every rank saves its optimizer state (a shard file per rank, or
     optimizer.pt in one process) and rank 0 the weights and the stock reference's model and
-    optimizer; `load_dir`: start from there (the reference continues the saved stock run)."""
+    optimizer; `load_dir`: start from there (the reference continues the saved stock run).
+    `tied`: the head's weight is the embedding's (one parameter), in the model and the reference."""
     from superoffload_hf import SuperOffloadAdamW
     from superoffload_hf.engine import shard_checkpoint
 
-    model = tiny_llama(seed=rank)  # rank 0's weights must win (the optimizer broadcasts them)
-    ref = tiny_llama(seed=0)
+    model = tiny_llama(seed=rank, tied=tied)  # rank 0's weights must win (the optimizer broadcasts them)
+    ref = tiny_llama(seed=0, tied=tied)
     if load_dir is not None:
         model.load_state_dict(torch.load(f"{load_dir}/model.pt", weights_only=True))
         ref.load_state_dict(torch.load(f"{load_dir}/ref_model.pt", weights_only=True))

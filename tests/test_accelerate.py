@@ -200,13 +200,19 @@ def test_data_parallel_accelerators_are_accepted_and_never_wrap_the_model_in_ddp
 
     calls = []
     accelerator = SimpleNamespace(distributed_type=kind, mixed_precision="no", num_processes=2,
+                                  device=torch.device("cpu", 0),  # (as Accelerate's with several CPU processes)
                                   prepare_model=lambda model, device_placement=None, evaluation_mode=False:
-                                  calls.append(evaluation_mode) or model)
+                                  calls.append((device_placement, evaluation_mode)) or model)
     check_accelerator_supported(accelerator)
     keep_model_unwrapped(accelerator)
     keep_model_unwrapped(accelerator)  # idempotent
     model = torch.nn.Linear(2, 2)
-    assert accelerator.prepare_model(model) is model and calls == [True]  # evaluation_mode: no DDP wrap
+    # evaluation_mode: no DDP wrap; already on the device ("cpu" is "cpu:0"): not placed again, since
+    # `.to("cpu:0")` copies each CPU parameter, and a weight-flow parameter released (storage size
+    # 0) crashes the copy
+    assert accelerator.prepare_model(model) is model and calls == [(False, True)]
+    elsewhere = torch.nn.Linear(2, 2, device="meta")
+    assert accelerator.prepare_model(elsewhere, device_placement=True) is elsewhere and calls[1] == (True, True)
 
 
 def test_a_model_not_on_the_accelerator_device_is_refused():

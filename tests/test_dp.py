@@ -449,8 +449,12 @@ def test_compact_shard_checkpoints_convert_from_and_to_fp32_state_on_load():
 # back, the step skipped). With `rollback: inverse` a mere rollback leaves the master within its
 # stated bound of the weights before the step: stationary's device keeps those weights (no
 # copy-back), flow fetches the master, so that case is checked against torch (train() does, every
-# step) and not bitwise. Compact state (snapshot rollback, exact) flows its bf16 part.
+# step) and not bitwise. Compact state (snapshot rollback, exact) flows its bf16 part. The fp32
+# pair again with 2 micro-batches per step (each unit fetched for 2 forwards and 2 backwards per
+# step; the reduce-scatters only after the second), and with the head tied to the embedding (one
+# unit, used at both ends of the forward, its gradient complete only after the embedding's backward).
 FLOW = dict(speculation="on", clip="mild", steps=4, poison_rank=1, poison_steps=(2,), poison_value=float("inf"))
+FLOW_VARIANTS = {"fp32": {}, "fp32_accumulation": {"accumulation": 2}, "fp32_tied": {"tied": True}}
 
 
 def _flow_scenarios(rank, world, save_dir):
@@ -465,6 +469,9 @@ def _flow_scenarios(rank, world, save_dir):
            "compact_flow": train_compact(rank, world, steps=4, weights="flow", **COMPACT)}
     if save_dir is None:  # (the simulated device: the seam, not the variants)
         return out
+    for variant, kw in FLOW_VARIANTS.items():
+        if kw:
+            out.update({f"{variant}_{weights}": fp32(weights, **kw) for weights in ("stationary", "flow")})
     return {**out, "forward_between": _flow_forward_between_backward_and_step(),
             "rank0_state_dict": _flow_state_dict_on_rank_0_after_fetch_weights(rank),
             "fp32_flow_inverse_rollback": fp32("flow", "inverse"),
@@ -518,15 +525,21 @@ def flow_results(sim: bool) -> list[dict]:
                      env={"SUPEROFFLOAD_SIM_DEVICE": "1"} if sim else None)
 
 
-@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "sim"])
-@pytest.mark.parametrize("state", ["fp32", "compact"])
+@pytest.mark.parametrize("state, sim", [
+    *[(state, sim) for sim in (False, True) for state in ("fp32", "compact")],
+    *[(variant, False) for variant in FLOW_VARIANTS if variant != "fp32"],  # (the CPU only: see _flow_scenarios)
+], ids=lambda value: ("sim" if value else "cpu") if isinstance(value, bool) else value)
 def test_weight_flow_on_two_ranks_equals_stationary_every_parameter_every_step_bitwise(state, sim):
+    units = 5 if state == "fp32_tied" else 6  # (tied: the embedding and the head are one unit)
+    micro_batches_per_step = FLOW_VARIANTS.get(state, {}).get("accumulation", 1)
     for rank, result in enumerate(flow_results(sim)):
         want, got = result[f"{state}_stationary"], result[f"{state}_flow"]
         assert got["digests"] == want["digests"], f"rank {rank} {state}: flow differs from stationary"
         assert got["skipped"] == want["skipped"] and any(got["skipped"]), got["skipped"]
         assert got["counters"]["rollbacks"] > 0 and got["counters"]["replays"] > 0, got["counters"]
-        assert "weights flow: 6 units" in got["summary"] and "data parallel rank" in got["summary"]
+        assert f"weights flow: {units} units" in got["summary"] and "data parallel rank" in got["summary"]
+        # each unit fetched for every forward and every backward (at least: a state_dict fetches too)
+        assert got["counters"]["weight_fetches"] >= 2 * units * micro_batches_per_step * len(got["digests"])
         if state == "compact":
             _assert_same_state(got["state"], want["state"], f"rank {rank}: compact state under flow")
     assert flow_results(sim)[0][f"{state}_flow"]["digests"] == flow_results(sim)[1][f"{state}_flow"]["digests"]
@@ -552,3 +565,43 @@ def test_a_forward_between_backward_and_step_that_would_read_a_speculated_shard_
 def test_saving_from_rank_0_alone_after_fetch_weights_on_every_rank_fetches_nothing_there():
     zero, one = (r["rank0_state_dict"] for r in flow_results(False))
     assert zero["digest"] is not None and zero["fetches_in_state_dict"] == 0 == one["fetches_in_state_dict"]
+
+
+# ---- "auto" under data parallelism: one decision for every rank -----------------------------------
+#
+# The simulated device of rank 1 holds the weights but not the engine's device buffers as well,
+# rank 0's everything: "auto" flows on both ranks (each deciding alone, rank 0 would keep them
+# stationary and the ranks' collectives would part), and "stationary" is refused on both (rank 0's
+# message says another rank's device is short).
+def _auto_under_data_parallelism(rank, world):
+    import torch
+
+    from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.testing.sim import SimRuntime
+    from _dp_train import engine_config, micro_batches, tiny_llama
+
+    model = tiny_llama()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # rank 1: room for the weights (close() gathers them all back onto the device), not for the
+    # engine's device buffers as well
+    SimRuntime.reset_shared(**({"device_budget_bytes": weight_bytes * 9 // 8} if rank == 1 else {}))
+    out = {}
+    for weights in ("auto", "stationary"):
+        try:
+            with SuperOffloadAdamW(model.parameters(), model=model,
+                                   config=engine_config(device_buckets=0, weights=weights)) as opt:
+                model(**micro_batches(rank)[0]).loss.backward()
+                opt.step()
+                out[weights] = opt.describe()
+        except torch.OutOfMemoryError as error:
+            out[weights] = f"refused: {error}"
+    SimRuntime.reset_shared()
+    return out
+
+
+def test_auto_under_data_parallelism_flows_on_every_rank_when_one_rank_s_device_is_too_small():
+    zero, one = run_ranks(_auto_under_data_parallelism, 2, deadline_s=90, env={"SUPEROFFLOAD_SIM_DEVICE": "1"})
+    for result in (zero, one):
+        assert "weights flow: 6 units" in result["auto"], result["auto"]
+        assert result["stationary"].startswith("refused: `weights: stationary`"), result["stationary"]
+    assert "another rank's has not" in zero["stationary"] and "another rank's" not in one["stationary"]

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,24 +54,42 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run(cmd: list, cwd: Path) -> None:
-    result = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=240)
-    if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
+def run(cmd: list, cwd: Path, timeout_s: float = 240) -> str:
+    """Run a launch; its stderr. A launch still running after `timeout_s` (a hang: ranks waiting
+    for a collective) is killed with all its processes (its own session) and fails the test."""
+    process = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # SIGTERM to the launcher's group: torchrun's agent stops its ranks (each in a session of
+        # its own, out of reach of a killpg here) before it exits
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+        pytest.fail(f"the launch did not finish within {timeout_s:.0f}s (a hang):\n{stderr[-3000:]}")
+    if process.returncode != 0 and "terminate called without an active exception" in stderr:
         # Seen in CI in stock-DDP runs (no superoffload in those processes): a gloo rank aborts
         # at interpreter exit, after training finished and trainer_state.json was written. The
         # comparison reads that file; the callers check its steps.
-        return
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        return stderr
+    assert process.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return stderr
 
 
 def launch(tmp_path: Path, processes: int, superoffload: bool, output: Path, *extra: str,
-           script: Path = STOCK_SCRIPT, train_args: tuple = (), block: dict = BLOCK) -> list[dict]:
+           script: Path = STOCK_SCRIPT, train_args: tuple = (), block: dict = BLOCK,
+           timeout_s: float = 240) -> list[dict]:
     config = accelerate_config(tmp_path, processes, superoffload, block)
     launcher = ([sys.executable, "-m", "superoffload_hf.cli", "launch"] if superoffload
                 else [sys.executable, "-m", "accelerate.commands.launch"])
     port = ["--main_process_port", str(free_port())]
-    run([*launcher, "--config_file", str(config), *(port if processes > 1 else []), str(script),
-         "--output_dir", str(output), *(train_args or TRAIN_ARGS), *extra], tmp_path)
+    stderr = run([*launcher, "--config_file", str(config), *(port if processes > 1 else []), str(script),
+                  "--output_dir", str(output), *(train_args or TRAIN_ARGS), *extra], tmp_path, timeout_s)
+    (output / "launch.stderr").write_text(stderr)
     return losses(output)
 
 
@@ -156,6 +176,33 @@ def test_trainer_checkpoint_of_two_processes_resumes_on_four_as_stock_ddp_does(t
         resumed[superoffload] = [r for r in curve if r["step"] > 3]
     assert resumed[True] and [r["step"] for r in resumed[True]] == [r["step"] for r in resumed[False]]
     assert_same_curve(resumed[True], resumed[False])
+
+
+def test_launcher_two_processes_with_weight_flow_saves_the_stationary_weights(tmp_path):
+    """`weights: flow` in the launcher config's superoffload block, 2 processes, an unmodified
+    stock-Trainer script saving checkpoints: the patched Trainer's `save_model` fetches the weights
+    on every rank (all-gathers) before rank 0 alone writes them; without that, rank 0's
+    `state_dict()` waits for a gather rank 1 never joins (the launch hangs). A clipped step rolls
+    back and replays on every step (`max_grad_norm` below the gradient norm); snapshot rollback:
+    flow and stationary are bitwise the same. Each checkpoint's weights equal stationary's."""
+    from safetensors.torch import load_file
+
+    curves = {}
+    for weights in ("stationary", "flow"):
+        curves[weights] = [(r["step"], r["loss"], r["grad_norm"]) for r in launch(
+            tmp_path, 2, True, tmp_path / weights, "--max_steps", "4", "--max_grad_norm", "0.5",
+            "--save_strategy", "steps", "--save_steps", "2", timeout_s=120,  # (the later flags win)
+            block={**BLOCK, "rollback": "snapshot", "weights": weights})]
+    assert "weights flow: 5 units" in (tmp_path / "flow" / "launch.stderr").read_text()
+    assert [step for step, _, _ in curves["flow"]] == [1, 2, 3, 4]
+    assert all(grad_norm > 0.5 for _, _, grad_norm in curves["flow"])  # every step clipped: rolled back, replayed
+    assert curves["flow"] == curves["stationary"]
+    for step in (2, 4):
+        flow = load_file(tmp_path / "flow" / f"checkpoint-{step}" / "model.safetensors")
+        stationary = load_file(tmp_path / "stationary" / f"checkpoint-{step}" / "model.safetensors")
+        assert sorted(flow) == sorted(stationary)
+        for name, tensor in stationary.items():
+            assert torch.equal(flow[name], tensor), f"checkpoint-{step} {name}: flow differs from stationary"
 
 
 def test_launcher_two_processes_trains_an_unmodified_trl_sft_script(tmp_path):

@@ -255,6 +255,10 @@ class Collectives:
             dist.all_reduce(t, group=self.control_group)
         return t > 0
 
+    def all_ranks_true(self, flag: bool) -> bool:
+        """Whether `flag` is true on every rank (the control group, host memory)."""
+        return not bool(self.all_reduce_presence(torch.tensor([not flag]))[0])
+
     def broadcast_ints(self, values: Sequence[int], length: int, src: int = 0) -> list[int]:
         """Global rank `src`'s list of at most `length` non-negative ints, on every rank, over the
         control group (host memory)."""

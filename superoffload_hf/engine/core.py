@@ -101,7 +101,7 @@ class Engine:
         # every layout decision, once, before anything is allocated (engine/layout.py)
         self.layout = decide_layout(self.params, param_groups, config, machine_facts(
             self.runtime, self.transfer, config, None if collectives is None else collectives.topology.shard_world),
-            model)
+            model, all_ranks_fit=None if collectives is None else collectives.all_ranks_true)
         self.cast = self.layout.cast
         self.host_threads_note = "set"
         threads = config.host_threads

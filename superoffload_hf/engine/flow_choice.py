@@ -16,28 +16,34 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 
-def choose_weights(choice: str, weight_bytes: int, buffer_bytes: int, free_bytes: int, total_bytes: int) -> str:
+def choose_weights(choice: str, weight_bytes: int, buffer_bytes: int, free_bytes: int, total_bytes: int,
+                   all_ranks_fit: Optional[Callable[[bool], bool]] = None) -> str:
     """"auto": flow when the weights and the engine's device buffers do not fit in the free device
-    memory; "stationary" that does not fit is refused here, before anything is trained."""
-    fits = weight_bytes + buffer_bytes <= free_bytes
+    memory; "stationary" that does not fit is refused here, before anything is trained. Data
+    parallel: `all_ranks_fit(fits_here)` (a collective every rank calls) says whether they fit on
+    every rank, so that every rank decides the same (flow where any rank's device is too small)."""
+    fits_here = weight_bytes + buffer_bytes <= free_bytes
+    fits = fits_here if all_ranks_fit is None else all_ranks_fit(fits_here)
     if choice == "auto":
         return "stationary" if fits else "flow"
     if choice == "stationary" and not fits:
+        where = (" (this rank's device has room, another rank's has not: every rank keeps its weights the same "
+                 "way)" if fits_here else "")
         raise torch.OutOfMemoryError(
             f"`weights: stationary` keeps {weight_bytes} bytes of weights on the device, plus {buffer_bytes} "
-            f"bytes of the engine's device buffers and the activations, but {free_bytes} of the device's {total_bytes} bytes are "
-            "free. Set `weights: flow` (or \"auto\") to stream the weights from the host block by block, or "
-            "use a device with more memory.")
+            f"bytes of the engine's device buffers and the activations, but {free_bytes} of the device's "
+            f"{total_bytes} bytes are free{where}. Set `weights: flow` (or \"auto\") to stream the weights from "
+            "the host block by block, or use a device with more memory.")
     return choice
 
 
 def decide_weights(choice: str, plan, stationary_policy, machine, model: Optional[torch.nn.Module],
-                   activation_bytes: int = 0) -> str:
+                   activation_bytes: int = 0, all_ranks_fit: Optional[Callable[[bool], bool]] = None) -> str:
     """"stationary" or "flow" (config `weights`: `choice`) for this run: what the stationary layout
     (`plan` under `stationary_policy`) puts on the device against the device's free memory
     (`machine`: engine/layout.py MachineFacts) and `activation_bytes`. On the CPU device nothing is checked (the host
@@ -51,7 +57,8 @@ def decide_weights(choice: str, plan, stationary_policy, machine, model: Optiona
         free = machine.free_bytes
         if not machine.params_counted:  # a real device: the model is on it
             free += weight_bytes
-        choice = choose_weights(choice, weight_bytes, buffer_bytes + activation_bytes, free, machine.total_bytes)
+        choice = choose_weights(choice, weight_bytes, buffer_bytes + activation_bytes, free, machine.total_bytes,
+                                all_ranks_fit)
     elif choice == "auto":
         choice = "stationary"  # the device is the host (nothing to free), or its memory is unknown
     check_model_given(choice, model)

@@ -32,7 +32,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import Callable, TYPE_CHECKING, Mapping, Optional
 
 import torch
 
@@ -297,10 +297,12 @@ def _units_note(names) -> str:
 
 
 def decide_layout(params: list[torch.Tensor], groups: list[dict], config, machine: MachineFacts,
-                  model: Optional[torch.nn.Module] = None, accumulation_steps: Optional[int] = None) -> Layout:
+                  model: Optional[torch.nn.Module] = None, accumulation_steps: Optional[int] = None,
+                  all_ranks_fit: Optional[Callable[[bool], bool]] = None) -> Layout:
     """The one layout value of a run (see `Layout` and the module docstring's rules). Pure given
     `machine`: no device calls, no allocation; `params` may live on the meta device (the dry run).
-    `accumulation_steps`: micro-batches per step (default: the config's)."""
+    `accumulation_steps`: micro-batches per step (default: the config's). `all_ranks_fit`: under
+    data parallelism, the collective that makes the weights decision every rank's (flow_choice)."""
     dtype = DTYPES[config.device_dtype]
     index_of = {p: i for i, p in enumerate(params)}
     shapes = tuple(tuple(p.shape) for p in params)
@@ -317,26 +319,29 @@ def decide_layout(params: list[torch.Tensor], groups: list[dict], config, machin
                     policy=buffer_policy(config, dtype, cast, machine, flow, steps, shard_world=None))
     n = config.device_buckets
     initial = layout.plan(0 if n == "auto" else n)
-    if machine.shard_world is None:  # (decided from the stationary layout's memory; flow needs the model)
-        from superoffload_hf.engine.flow_choice import decide_weights
+    # decided from the stationary layout's memory (flow needs the model); data parallel: on every
+    # rank's device, one decision for all (`all_ranks_fit`, a collective every rank calls)
+    from superoffload_hf.engine.flow_choice import decide_weights
 
-        if decide_weights(config.weights, initial, layout.policy, machine, model,
-                          config.device_activation_bytes) == "flow" and not flow:
-            flow = True
-            cast = resolve_cast(config, dtype, machine, flow)
-    else:  # data parallel: "auto" keeps the weights stationary (one decision for every rank)
-        from superoffload_hf.engine.flow_choice import check_model_given
-
-        check_model_given(config.weights, model)
+    stationary = layout.policy if machine.shard_world is None else buffer_policy(
+        config, dtype, cast, machine, False, steps, shard_world=machine.shard_world)
+    if decide_weights(config.weights, initial, stationary, machine, model, config.device_activation_bytes,
+                      all_ranks_fit) == "flow" and not flow:
+        flow = True
+        cast = resolve_cast(config, dtype, machine, flow)
     policy = buffer_policy(config, dtype, cast, machine, flow, steps, shard_world=machine.shard_world)
     flow_plan = choice = None
     if flow:
-        flow_plan, choice = place_weights(config, model, params, initial, policy, machine)
+        # data parallel: every unit flows (a fetch is a collective: the ranks, whose free memory
+        # may differ, must flow the same units)
+        mode = "flow" if machine.shard_world is not None else config.weights
+        flow_plan, choice = place_weights(config, model, params, initial, policy, machine, mode)
     return dataclasses.replace(layout, cast=cast, policy=policy, bucket_plan=initial, flow=flow_plan,
                                flow_choice=choice)
 
 
-def place_weights(config, model, params, plan: BucketPlan, policy: BufferPolicy, machine: MachineFacts):
+def place_weights(config, model, params, plan: BucketPlan, policy: BufferPolicy, machine: MachineFacts,
+                  mode: Optional[str] = None):
     """(FlowPlan, FlowChoice) of a run whose weights flow: every unit under "flow"; under "auto" the
     fewest that fit the device's free memory with the engine's device buffers under `policy` and
     the activations (config `device_activation_bytes`). Prefetch depth 1 until the first step has
@@ -353,7 +358,7 @@ def place_weights(config, model, params, plan: BucketPlan, policy: BufferPolicy,
     free = machine.free_bytes
     if free is not None and not machine.params_counted:  # a real device: the model is on it now
         free += weight_bytes
-    choice = choose_flow(config.weights, unit_costs(model, every.units), other_bytes=other,
+    choice = choose_flow(mode or config.weights, unit_costs(model, every.units), other_bytes=other,
                          activation_bytes=config.device_activation_bytes, free_bytes=free)
     return flow_plan_of(every, choice), choice
 

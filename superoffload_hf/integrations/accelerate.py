@@ -185,7 +185,8 @@ def keep_model_unwrapped(accelerator: Accelerator) -> None:
     DistributedDataParallel; the SuperOffload optimizer averages the gradients over the ranks
     itself, and DDP would all-reduce gradients it has already taken. So this accelerator prepares
     models as Accelerate prepares them for evaluation (device placement, mixed precision,
-    torch.compile; no DDP wrap). The one place this integration changes Accelerate's behaviour."""
+    torch.compile; no DDP wrap), and does not place a model already on `accelerator.device`. The
+    one place this integration changes Accelerate's behaviour for the model."""
     if getattr(accelerator, "_superoffload_keeps_model_unwrapped", False):
         return
     prepare_model = vars(accelerator).get("prepare_model")  # already replaced on the instance: wrap that
@@ -197,18 +198,30 @@ def keep_model_unwrapped(accelerator: Accelerator) -> None:
         def prepare_model(*args, **kwargs):
             return unbound(accelerator_ref(), *args, **kwargs)
 
+    device = accelerator.device  # (fixed for the accelerator's life)
+
     def prepare_model_without_ddp(model, device_placement=None, evaluation_mode=False):
+        if all(on_device(p, device) for p in model.parameters()):
+            # Accelerate's `model.to(device)` copies every parameter on the CPU when the device is
+            # "cpu:0" (several processes, gloo): a copy of a weight-flow parameter whose storage
+            # is released (resized to 0) reads no memory and crashes the process
+            device_placement = False
         return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     accelerator.prepare_model = prepare_model_without_ddp
     accelerator._superoffload_keeps_model_unwrapped = True
 
 
-def check_model_on_device(model: torch.nn.Module, device: torch.device) -> None:
+def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    """`tensor` is on `device` ("cpu" and "cpu:0" are the same place)."""
     device = torch.device(device)
+    same_index = device.index is None or tensor.device.index in (None, device.index)
+    return tensor.device.type == device.type and same_index
+
+
+def check_model_on_device(model: torch.nn.Module, device: torch.device) -> None:
     for name, param in model.named_parameters():
-        same_index = device.index is None or param.device.index in (None, device.index)
-        if param.device.type != device.type or not same_index:
+        if not on_device(param, device):
             raise ValueError(
                 f"Parameter `{name}` is on {param.device}, expected {device}: move the model to "
                 "`accelerator.device` before creating the SuperOffload optimizer."

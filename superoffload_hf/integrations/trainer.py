@@ -1,6 +1,6 @@
 """`TrainingArguments` and `Trainer` with superoffload, and the hooks they share with the launcher.
 
-With `superoffload=True` three Trainer methods change, and nothing else:
+With `superoffload=True` these Trainer methods change, and nothing else:
 
 - `create_optimizer`: builds `SuperOffloadAdamW` from the usual decay / no-decay groups, lr,
   betas, eps and weight decay, hands it `max_grad_norm`, and wraps it for Accelerate (no state
@@ -8,6 +8,9 @@ With `superoffload=True` three Trainer methods change, and nothing else:
 - `_clip_grad_norm`: does not touch the gradients (the optimizer clips inside `step()`).
 - `_get_grad_norm`: returns a placeholder that `SuperOffloadCallback` fills with the
   optimizer's `last_grad_norm` right after the step, before the Trainer logs it.
+- `save_model` (on every rank): under weight-flow the weights are fetched first (under data
+  parallelism an all-gather every rank joins), then the main process writes them.
+- `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`: each rank its shard.
 
 With `sequence_parallel_size` N > 1 (the argument or the config's key) the train dataloader
 and `compute_loss` change too: each SP group of N ranks shares a batch and each rank computes
@@ -16,7 +19,7 @@ the loss on its part of every sequence (`trainer_sequence_parallel.py`).
 With superoffload on or off, a checkpoint save that fails (a full disk, Ctrl-C) leaves the
 previous checkpoints as they were and says so (`checkpoint_save.py`).
 
-`SuperOffloadHooks` implements the three; the `Trainer` subclass here calls them, and the
+`SuperOffloadHooks` implements them; the `Trainer` subclass here calls them, and the
 launcher's autopatch (`autopatch.py`) binds them onto a stock `transformers.Trainer`.
 """
 
@@ -32,7 +35,6 @@ from transformers import Trainer as HFTrainer
 from transformers import TrainingArguments as HFTrainingArguments
 
 from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
-from superoffload_hf.integrations.callback import unwrap_optimizer
 from superoffload_hf.integrations.checkpoint_save import save_checkpoint_keeping_previous
 from superoffload_hf.integrations.launch_env import launch_plugin
 from superoffload_hf.integrations.trainer_hooks import (
@@ -166,12 +168,9 @@ class Trainer(HFTrainer):
                                                 single_writer=self.args.world_size == 1)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        # called on every rank (it writes from the main process only): under data-parallel
-        # weight-flow the weights are gathered here, on every rank, before rank 0 reads them
-        optimizer = unwrap_optimizer(self.optimizer) if self.superoffload is not None else None
-        if optimizer is not None and hasattr(optimizer, "fetch_weights"):
-            optimizer.fetch_weights()
-        return super().save_model(output_dir, _internal_call=_internal_call)
+        if self.superoffload is None:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        return self.superoffload.save_model(super().save_model, output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.superoffload is None:

@@ -1,5 +1,6 @@
-"""The three Trainer methods superoffload replaces (optimizer creation, clipping, grad-norm
-reporting), for one Trainer, plus its callback. Our `Trainer` calls them; the launcher's
+"""The Trainer methods superoffload replaces (optimizer creation, clipping, grad-norm reporting,
+the optimizer's checkpoint, resume, the model save's weight fetch), for one Trainer, plus its
+callback. Our `Trainer` calls them; the launcher's
 autopatch binds them onto a stock `transformers.Trainer`. Neither of those is imported here.
 """
 
@@ -40,7 +41,7 @@ _HF_DEFAULT_OPTIM = {f.name: f for f in dataclasses.fields(HFTrainingArguments)}
 # `optim` values that superoffload=True replaces silently (they name AdamW); others conflict.
 _REPLACEABLE_OPTIMS = {_HF_DEFAULT_OPTIM, "adamw_torch", "adamw_torch_fused", OPTIM_SYNONYM}
 # The Trainer methods superoffload replaces; a transformers without them is not supported.
-HOOKED_TRAINER_METHODS = ("create_optimizer", "_clip_grad_norm", "_get_grad_norm",
+HOOKED_TRAINER_METHODS = ("create_optimizer", "_clip_grad_norm", "_get_grad_norm", "save_model",
                           "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
 SCHEDULER_FILE = "scheduler.pt"
 
@@ -51,7 +52,7 @@ def _optim_name(optim: Any) -> str:
 
 
 class SuperOffloadHooks:
-    """The three Trainer methods superoffload changes, for one Trainer, plus its callback."""
+    """The Trainer methods superoffload changes, for one Trainer, plus its callback."""
 
     def __init__(self, trainer: HFTrainer, plugin: SuperOffloadPlugin):
         check_hook_points(type(trainer))
@@ -79,6 +80,8 @@ class SuperOffloadHooks:
         trainer.create_optimizer = self.create_optimizer
         trainer._clip_grad_norm = self.clip_grad_norm
         trainer._get_grad_norm = self.get_grad_norm
+        trainer.save_model = lambda output_dir=None, _internal_call=False: self.save_model(
+            cls.save_model.__get__(self.trainer), output_dir, _internal_call)
         trainer._save_optimizer_and_scheduler = lambda output_dir: self.save_optimizer_and_scheduler(
             cls._save_optimizer_and_scheduler.__get__(self.trainer), output_dir)
         trainer._load_optimizer_and_scheduler = lambda checkpoint: self.load_optimizer_and_scheduler(
@@ -159,6 +162,17 @@ class SuperOffloadHooks:
             self.activation_offload.remove()
         self.activation_offload, line = offload_for_config(model, choice, gradient_checkpointing)
         logger.info("superoffload: %s", line)
+
+    def save_model(self, original, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Weight-flow: every unit's weights onto the device first (`fetch_weights`). The Trainer
+        runs `save_model` on every rank (`_save_checkpoint` calls it; the user's script calls it
+        everywhere) but reads the weights in `_save` on the main process only: under data
+        parallelism a fetch is an all-gather every rank joins, so it happens here, on every rank,
+        or rank 0's `state_dict()` would wait for the others forever."""
+        optimizer = unwrap_optimizer(self.trainer.optimizer)
+        if optimizer is not None:  # None: save_model before train() built it (nothing flows yet)
+            optimizer.fetch_weights()
+        return original(output_dir, _internal_call=_internal_call)
 
     def save_optimizer_and_scheduler(self, original, output_dir: str) -> None:
         """Data parallel: every rank writes its shard of the optimizer state (the stock Trainer
