@@ -443,6 +443,11 @@ def train(recipe: Recipe) -> "TrainSummary":
     from superoffload_hf.integrations.resume import load_weights_only
     from superoffload_hf.train.data import build_dataset
 
+    from superoffload_hf.train.footprint import recipe_with_activation_bytes
+
+    recipe, counted = recipe_with_activation_bytes(recipe)  # what weights auto/flow counts on the device
+    if counted is not None:
+        print(f"superoffload train: {counted}", flush=True)
     args = build_training_arguments(recipe)
     resume = recipe.resume_plan()  # checked again: the recipe was validated before anything loaded
     for line in resume.describe():

@@ -111,8 +111,11 @@ class SuperOffloadConfig:
     """Device bytes the activations of one step take at the configured batch, sequence length and
     checkpointing, counted by `weights` "auto" (and the refusal of "stationary") against the free
     device memory together with the weights and the engine's buffers. 0: not counted (the
-    simulated device does not count activations either). `superoffload train --dry-run` prints
-    the device peak with and without flow for the number given here."""
+    simulated device does not count activations either). `superoffload train` (and its
+    `--dry-run`, which prints the device peak with and without flow) sets it from the activation
+    estimate (perf/activation_memory.py) at the recipe's batch, sequence length and
+    checkpointing, where `weights` is "auto" or "flow" on an accelerator and the recipe does not
+    set it; the Trainer and plain loops take the number given here."""
 
     activation_offload: str = AUTO
     """Under gradient checkpointing each decoder block keeps its input for the backward (at long

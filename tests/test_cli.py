@@ -494,6 +494,36 @@ def test_recipe_trains_on_cpu_reads_the_yaml_and_the_override():
     assert recipe_trains_on_cpu([str(REPO / "recipes" / "llama3.2-1b.yaml"), "--training.use_cpu=true"])
 
 
+def test_weights_auto_counts_the_activation_estimate_of_the_recipe_unless_it_sets_the_bytes(capsys):
+    """The recipe knows the batch, the sequence length and checkpointing: `weights: auto` (and
+    flow) counts the activation estimate the dry run prints, in the dry run and in the config
+    `superoffload train` builds; stationary, the CPU and a recipe that sets the bytes keep theirs."""
+    from superoffload_hf.train.footprint import recipe_with_activation_bytes
+    from superoffload_hf.train.recipe import load_recipe
+
+    def counted(memory: str) -> float:
+        peak = next(x for x in memory.splitlines() if x.startswith("    device peak "))
+        return float(peak.split("(activations ")[1].split(" GB counted")[0])
+
+    memory, _ = dry_run_memory(capsys, "--superoffload.weights", "auto")
+    estimate = float(re.search(r"^  activations of .* ([\d.]+) GB at their peak", memory, re.M)[1])
+    assert estimate > 0 and counted(memory) == estimate, memory
+    memory, _ = dry_run_memory(capsys, "--superoffload.weights", "auto", "--superoffload.device_activation_bytes", "0")
+    assert counted(memory) == 0.0
+    memory, _ = dry_run_memory(capsys)  # stationary: nothing to decide
+    assert counted(memory) == 0.0
+
+    def bytes_of(*overrides: str):
+        recipe, line = recipe_with_activation_bytes(load_recipe(TINY, [*ACCELERATOR_VARIANT, *overrides]))
+        return recipe.superoffload.get("device_activation_bytes"), line
+
+    value, line = bytes_of("--superoffload.weights", "auto")
+    assert value == pytest.approx(estimate * 1e9, abs=5e5) and "counts" in line and "activations" in line, line
+    assert bytes_of() == (None, None)  # stationary
+    assert bytes_of("--superoffload.weights", "auto", "--superoffload.device_activation_bytes", "7") == (7, None)
+    assert bytes_of("--superoffload.weights", "auto", "--training.use_cpu", "true") == (None, None)
+
+
 def test_dry_run_prints_the_layout_and_what_weights_auto_decides_on_one_h200(capsys):
     memory, _ = dry_run_memory(capsys)
     lines = memory.splitlines()

@@ -10,6 +10,8 @@ buffers with under data parallelism), and the total of the N / M ranks that shar
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Optional
 
 from superoffload_hf.train.recipe import Recipe
@@ -67,6 +69,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
         on_128 = dry_run_trade(plan, policy, config.speculation, not accelerator, memory_left=HOST_SIZES[0][0])
         lines.append(f"  on {HOST_SIZES[0][1]}: speculates {on_128.speculated_buckets} of {on_128.host_buckets} "
                      f"host buckets ({on_128.reason})")
+    config = with_recipe_activations(config, recipe, model_config, accelerator, n)  # what weights auto counts
     lines.append(weights_line(model, params, config))
     lines.append(activation_offload_line(recipe, model_config, config.activation_offload,
                                          DTYPES[config.device_dtype].itemsize, not accelerator))
@@ -177,7 +180,8 @@ def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_s
     lines = [head, f"    device peak {choice.peak_stationary / 1e9:.3f} GB stationary, "
              f"{forced.flow_choice.peak_flow / 1e9:.3f} GB with every unit flowing"
              + (f", {timed.peak_flow / 1e9:.3f} GB as chosen at prefetch depth {timed.depth}" if flows else "")
-             + f" (activations {config.device_activation_bytes / 1e9:.3f} GB counted, config device_activation_bytes)"]
+             + f" (activations {config.device_activation_bytes / 1e9:.3f} GB counted: device_activation_bytes, "
+             "the estimate below unless the recipe sets it)"]
     every = choose_depth(forced.flow_choice, device["link_gbps"] * 1e9, per_element,
                          headroom_bytes=max(0, device["device_bytes"] - forced.flow_choice.peak_flow))
     exposed = timed.exposed_s if flows else 0.0
@@ -191,27 +195,74 @@ def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_s
 H200_BYTES = H200["device_bytes"]  # the device the dry run decides "auto" against when there is none
 
 
-def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, num_params: int) -> list[str]:
-    """The device activations of one micro-batch at the recipe's sequence length
-    (perf/activation_memory.py), term by term, and what `tiled_loss` / `tiled_mlp` decide: on an
-    accelerator "auto" decides at the first training forward against the free device memory;
-    the dry run shows the decision against an H200's 141 GB less the stationary weights."""
+def recipe_activations(model_config, recipe: Recipe, config, accelerator: bool, num_params: int):
+    """(ActivationTerms, TilingChoice): the device activations of one micro-batch at the recipe's
+    batch, sequence length and checkpointing (perf/activation_memory.py), with the tiling
+    `tiled_loss` / `tiled_mlp` would choose: on an accelerator against an H200's 141 GB less the
+    stationary weights (at run time "auto" decides at the first forward against the free memory)."""
     from superoffload_hf.engine.layout import DTYPES
     from superoffload_hf.parallel.tiling import choose_tiling
     from superoffload_hf.perf.activation_memory import estimate_activations
 
     t = recipe.training
     batch, seq = int(t.get("per_device_train_batch_size", 8)), int(recipe.data.seq_len)
-    checkpointing = bool(t.get("gradient_checkpointing", False))
     dtype_bytes = DTYPES[config.device_dtype].itemsize
-    free = None
-    if accelerator:
-        free = max(H200_BYTES - num_params * dtype_bytes, 0)
+    free = max(H200_BYTES - num_params * dtype_bytes, 0) if accelerator else None
     choice = choose_tiling(config.tiled_loss, config.tiled_mlp, not accelerator, model_config=model_config,
                            micro_batch=batch, seq_len=seq, dtype_bytes=dtype_bytes, free_device_bytes=free)
-    terms = estimate_activations(model_config, batch, seq, dtype_bytes, gradient_checkpointing=checkpointing,
+    terms = estimate_activations(model_config, batch, seq, dtype_bytes,
+                                 gradient_checkpointing=bool(t.get("gradient_checkpointing", False)),
                                  tiled_loss=choice.loss, tiled_mlp=choice.mlp,
                                  loss_chunk=config.tiled_loss_chunk_tokens, mlp_chunk=config.tiled_mlp_chunk_tokens)
+    return terms, choice
+
+
+def with_recipe_activations(config, recipe: Recipe, model_config, accelerator: bool, num_params: int):
+    """`config` with `device_activation_bytes` from the activation estimate, for `weights` "auto"
+    or "flow" on an accelerator when the recipe does not give it: what weight-flow's choice counts
+    against the free device memory (engine/flow_choice.py). Otherwise `config` as it is."""
+    given = "device_activation_bytes" in (recipe.superoffload or {})
+    if given or not accelerator or config.weights == "stationary" or model_config is None:
+        return config
+    terms, _ = recipe_activations(model_config, recipe, config, accelerator, num_params)
+    return config.replace(device_activation_bytes=int(terms.total))
+
+
+def recipe_with_activation_bytes(recipe: Recipe) -> tuple[Recipe, Optional[str]]:
+    """`superoffload train`: the recipe with `device_activation_bytes` from the estimate where
+    `with_recipe_activations` sets it, and a line saying so (None: unchanged)."""
+    if recipe.superoffload is None:
+        return recipe, None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from superoffload_hf.config import SuperOffloadConfig
+
+    config = SuperOffloadConfig.coerce(recipe.superoffload)
+    accelerator = not recipe.training.get("use_cpu", False)
+    if config.weights == "stationary" or not accelerator or "device_activation_bytes" in recipe.superoffload:
+        return recipe, None
+    model_config, _ = _model_config(recipe)
+    if model_config is None:
+        return recipe, None
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
+    chosen = with_recipe_activations(config, recipe, model_config, accelerator, n)
+    recipe = dataclasses.replace(recipe, superoffload={**recipe.superoffload,
+                                                       "device_activation_bytes": chosen.device_activation_bytes})
+    return recipe, (f"weights {config.weights} counts {chosen.device_activation_bytes / 1e9:.3f} GB of activations "
+                    f"(the estimate at {recipe.training.get('per_device_train_batch_size', 8)} x "
+                    f"{recipe.data.seq_len} tokens; `device_activation_bytes` sets it)")
+
+
+def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, num_params: int) -> list[str]:
+    """The device activations of one micro-batch at the recipe's sequence length
+    (perf/activation_memory.py), term by term, and what `tiled_loss` / `tiled_mlp` decide
+    (recipe_activations)."""
+    t = recipe.training
+    batch, seq = int(t.get("per_device_train_batch_size", 8)), int(recipe.data.seq_len)
+    checkpointing = bool(t.get("gradient_checkpointing", False))
+    terms, choice = recipe_activations(model_config, recipe, config, accelerator, num_params)
     shown = ", ".join(f"{name} {value / 1e9:.3f}" for name, value in terms.rows() if name != "total")
     where = "against an H200's 141 GB less the stationary weights" if accelerator else "on the CPU device"
     # (indented, no ": ": the dry run's output reads as YAML)
