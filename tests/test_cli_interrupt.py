@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from superoffload_hf.engine.worker import InlineWorker, Pending
-from superoffload_hf.integrations.resume import incomplete_reason
+from superoffload_hf.integrations.resume import incomplete_reason, last_complete_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny_llama_cpu.yaml")
@@ -35,25 +35,34 @@ def default_ctrl_c() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def wait_for(condition, proc: subprocess.Popen, seconds: float = 300) -> None:
+def wait_for(condition, proc: subprocess.Popen, seconds: float = 300, describe=None) -> None:
+    """Poll `condition` while `proc` runs; `describe()`: the child's output so far (default: its pipe)."""
     deadline = time.monotonic() + seconds
     while not condition():
-        assert proc.poll() is None, f"exited {proc.returncode} early: {proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, "timed out"
+        output = describe if describe is not None else lambda: proc.communicate()[1][-3000:]
+        assert proc.poll() is None, f"exited {proc.returncode} early: {output()}"
+        assert time.monotonic() < deadline, f"timed out: {describe() if describe is not None else ''}"
         time.sleep(0.2)
 
 
 def test_ctrl_c_after_a_checkpoint_prints_the_step_the_checkpoint_and_the_resume_command_and_exits_130(tmp_path):
     out = tmp_path / "out"
     args = ["train", TINY, *SMALL, "--training.output_dir", str(out)]
-    proc = subprocess.Popen([sys.executable, "-m", "superoffload_hf.cli", *args], cwd=REPO, env=offline_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_ctrl_c)
-    try:
-        wait_for(lambda: incomplete_reason(out / "checkpoint-2") is None, proc)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    # The child's output goes to files: it logs every step (~500 KB a minute), and an undrained pipe
+    # would stop it in a write. Any complete checkpoint will do: the recipe keeps the newest 2, so
+    # checkpoint-2 is rotated away at step 6, a fraction of a second later on a quiet machine (a
+    # wait for it alone could miss it and time out).
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "superoffload_hf.cli", *args], cwd=REPO, env=offline_env(),
+                                stdout=stdout, stderr=stderr, text=True, preexec_fn=default_ctrl_c)
+        try:
+            wait_for(lambda: last_complete_checkpoint(out)[0] is not None, proc,
+                     describe=lambda: (tmp_path / "stderr").read_text()[-3000:])
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+    err = (tmp_path / "stderr").read_text()
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-5000:]
     report = err[err.index("superoffload train: interrupted at step "):].splitlines()
