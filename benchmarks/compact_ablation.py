@@ -177,11 +177,7 @@ def _trainer(cfg: dict, seed: int):
     class _EmuTrainer(Trainer):
         def create_optimizer(self, model=None):
             if self.optimizer is None:
-                model = self.model if model is None else model
-                decay = set(self.get_decay_parameter_names(model))
-                named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-                groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                          {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+                groups = compact_quality.trainer_param_groups(self, self.model if model is None else model)
                 self.optimizer = EmulatedStateAdamW(groups, lr=self.args.learning_rate, eps=self.args.adam_epsilon,
                                                     betas=(self.args.adam_beta1, self.args.adam_beta2),
                                                     weight_decay=self.args.weight_decay, cfg=cfg,

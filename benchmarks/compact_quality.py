@@ -191,6 +191,15 @@ def train_one(overrides: list[str], contender: str) -> dict:
             "params": sum(p.numel() for p in model.parameters()), "host_state": host_state}
 
 
+def trainer_param_groups(trainer, model) -> list[dict]:
+    """`model`'s trainable parameters grouped as the Trainer groups them: weight decay except on
+    the names `get_decay_parameter_names` leaves out (biases, norms)."""
+    decay = set(trainer.get_decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
 def _bf16_rtn_trainer():
     from superoffload_hf import Trainer
 
@@ -200,11 +209,7 @@ def _bf16_rtn_trainer():
 
         def create_optimizer(self, model=None):
             if self.optimizer is None:
-                model = self.model if model is None else model
-                decay = set(self.get_decay_parameter_names(model))
-                named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-                groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                          {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+                groups = trainer_param_groups(self, self.model if model is None else model)
                 self.optimizer = Bf16RoundToNearestAdamW(groups, lr=self.args.learning_rate, eps=self.args.adam_epsilon,
                                                          betas=(self.args.adam_beta1, self.args.adam_beta2))
             return self.optimizer
