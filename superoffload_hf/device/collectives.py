@@ -55,6 +55,7 @@ import datetime
 import logging
 import socket
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -101,6 +102,38 @@ class Topology:
         return cls(world, rank, len(mine), mine.index(rank), unique)
 
 
+_EXIT_TEARDOWN: list = []  # the one object whose finalizer destroys the process groups at exit
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Destroy every process group at interpreter exit, while the interpreter is still whole.
+
+    A script that never calls `destroy_process_group` (transformers' Trainer and accelerate do
+    not) leaves its gloo groups to the interpreter's finalization, where their worker threads free
+    tensors that need the GIL: the process aborts with "terminate called without an active
+    exception" (SIGABRT, exit code -6) after training succeeded (pytorch/pytorch#190489; seen
+    intermittently in the two-process launcher test). A `weakref.finalize`, not `atexit`: weakref's exit hook
+    runs finalizers newest first, so this one, registered when the first group of ours is made,
+    runs after the optimizers' own finalizers (created after it), whose close() may still issue
+    collectives (a data-parallel flow's gather)."""
+    if _EXIT_TEARDOWN:
+        return
+    anchor = _ExitAnchor()
+    _EXIT_TEARDOWN.append(anchor)  # lives until exit
+    weakref.finalize(anchor, _destroy_process_groups)
+
+
+class _ExitAnchor:
+    pass
+
+
+def _destroy_process_groups() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class Collectives:
     """Process groups for one optimizer, and the collectives the engine issues on them."""
 
@@ -134,6 +167,7 @@ class Collectives:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world == 1:
             return None
+        destroy_process_groups_at_exit()
         own = list(range(world)) if process_group is None else dist.get_process_group_ranks(process_group)
         if rank not in own:
             raise ValueError(f"Rank {rank} is not a member of the `process_group` given to the optimizer "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from superoffload_hf.config import check_sequence_parallel_size
+from superoffload_hf.device.collectives import destroy_process_groups_at_exit
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ def sequence_parallel_groups(size: int, timeout=None) -> SequenceParallelGroups:
         raise ValueError("sequence parallelism needs torch.distributed: call "
                          "`torch.distributed.init_process_group` first (torchrun / accelerate launch do).")
     rank = dist.get_rank()
+    destroy_process_groups_at_exit()
     kw = {} if timeout is None else {"timeout": timeout}
     mine = None
     for start in range(0, world, size):  # every rank creates every group, in one order
