@@ -74,12 +74,11 @@ def test_torchrun_with_our_trainer_and_training_arguments_sequence_parallel_size
     assert_close_weights(tmp_path / "out" / "checkpoint-4", runs["one_dir"] / "checkpoint-4")
 
 
-def test_sequence_parallel_2_by_data_parallel_2_on_4_processes_equals_one_process(tmp_path):
-    """The loader shards by SP group: the 2 groups take the 2 halves of the one-process batch."""
+def test_sequence_parallel_2_by_data_parallel_2_on_4_processes_equals_one_process(runs, tmp_path):
+    """The loader shards by SP group: with 1 sample per device the 2 groups take the 2 halves of the
+    one-process batch of 2."""
     block = {**BLOCK, "sequence_parallel_size": 2}
-    sp = launch(tmp_path, 4, True, tmp_path / "sp", train_args=tuple(ARGS), block=block)
-    one_args = list(ARGS)
-    one_args[one_args.index("--per_device_train_batch_size") + 1] = "4"  # the 2 replicas' batches
-    one = launch(tmp_path, 1, True, tmp_path / "one", train_args=tuple(one_args))
-    assert_close_curve(sp, one)
-    assert_close_weights(tmp_path / "sp" / "checkpoint-4", tmp_path / "one" / "checkpoint-4")
+    sp = launch(tmp_path, 4, True, tmp_path / "sp", "--per_device_train_batch_size", "1",
+                train_args=tuple(ARGS), block=block)
+    assert_close_curve(sp, runs["one"])
+    assert_close_weights(tmp_path / "sp" / "checkpoint-4", runs["one_dir"] / "checkpoint-4")
