@@ -605,3 +605,45 @@ def test_auto_under_data_parallelism_flows_on_every_rank_when_one_rank_s_device_
         assert "weights flow: 6 units" in result["auto"], result["auto"]
         assert result["stationary"].startswith("refused: `weights: stationary`"), result["stationary"]
     assert "another rank's has not" in zero["stationary"] and "another rank's" not in one["stationary"]
+
+
+# ---- close() under data-parallel flow on a device smaller than the weights ------------------------
+#
+# The model never fit: close() brings its weights back as host tensors, a unit at a time through
+# the device (only a gather has a unit's whole weights), decided on every rank alike (rank 1's
+# device could hold them all: it restores to the host too, or its gathers would wait for rank 0's).
+# Gathering every unit onto the device, as close() did, exceeds rank 0's budget.
+def _flow_closed_on_a_small_device(rank, world):
+    import torch
+
+    from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.testing.sim import SimRuntime
+    from _dp_train import engine_config, micro_batches, params_digest, tiny_llama
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in tiny_llama().parameters())
+    out = {}
+    for budget in (None, weight_bytes * 3 // 4 if rank == 0 else None):
+        SimRuntime.reset_shared(**({"device_budget_bytes": budget} if budget else {}))
+        model = tiny_llama()
+        with SuperOffloadAdamW(model.parameters(), model=model, config=engine_config(device_buckets=0, weights="flow")) as opt:
+            for step in range(2):
+                model(**micro_batches(step * world + rank)[0]).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        sim = SimRuntime.shared()
+        out[budget] = {"digest": params_digest(model), "peak": sim.max_memory_allocated(),
+                       "on_the_device": sim.memory_allocated(), "errors": list(sim.errors)}
+        SimRuntime.reset_shared()
+    return {"weight_bytes": weight_bytes, "roomy": out[None],
+            "small": out[weight_bytes * 3 // 4] if rank == 0 else out[None]}
+
+
+def test_close_under_flow_on_two_ranks_with_a_device_smaller_than_the_weights_restores_to_the_host():
+    zero, one = run_ranks(_flow_closed_on_a_small_device, 2, deadline_s=120, env={"SUPEROFFLOAD_SIM_DEVICE": "1"})
+    for result in (zero, one):
+        assert not result["roomy"]["errors"] and not result["small"]["errors"], result
+        assert result["small"]["digest"] == result["roomy"]["digest"] == zero["roomy"]["digest"]
+    assert zero["roomy"]["on_the_device"] >= zero["weight_bytes"]  # fits: back on the device, as before
+    small = zero["small"]
+    assert small["peak"] <= zero["weight_bytes"] * 3 // 4 and small["on_the_device"] == 0, small
+    assert one["small"]["on_the_device"] == 0, one["small"]  # its device had room: the host, as rank 0

@@ -84,6 +84,9 @@ class AcceleratorRuntime:
     def adopt(self, params) -> None:
         pass
 
+    def disown(self, params) -> None:
+        pass
+
     def adopt_activation(self, tensor: torch.Tensor) -> None:
         pass  # already device memory, freed by the caching allocator on its allocation stream
 

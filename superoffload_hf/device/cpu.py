@@ -38,6 +38,9 @@ class CpuRuntime:
     def adopt(self, params) -> None:
         pass
 
+    def disown(self, params) -> None:
+        pass
+
     def adopt_activation(self, tensor: torch.Tensor) -> None:
         pass  # the device is the host: nothing to book
 

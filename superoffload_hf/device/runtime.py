@@ -26,6 +26,10 @@ A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
                                    in (torch's `pinned_use_cuda_host_register`), else by
                                    cudaHostAlloc; False where the runtime has no such choice
     adopt(params)                  the parameters the engine manages live on this device
+    disown(params)                 those parameters' storages are host memory now (weight-flow's
+                                   close() of a model its device cannot hold): nothing on a real
+                                   device (a CPU tensor is host memory); the simulated device
+                                   stops counting them as device memory
     adopt_activation(tensor)       a tensor the compute stream's kernels produced (an activation
                                    its owner will copy on a side stream and free after an event
                                    wait, not record_stream): nothing on a real device (it is

@@ -166,6 +166,7 @@ class Engine:
             if self.flow is not None:  # each fetch all-gathers the unit's buckets from the ranks' shards
                 self.dp.flows = self.flow.flows
                 self.flow.gather = weak_method(self.dp.gather_for_flow)
+                self.flow.all_ranks_true = collectives.all_ranks_true
         self.handles: list = []
         self.unhooked: list = []
         # The parts get the collaborators they use, never the engine: no reference cycle, so a

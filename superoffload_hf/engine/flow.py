@@ -158,6 +158,7 @@ class WeightFlow:
         # Data parallel (engine/dp.py `gather_for_flow`; set once it is built): a bucket's rank
         # shards all-gathered into its whole weights, on the current stream: a collective.
         self.gather = gather
+        self.all_ranks_true: Optional[Callable[[bool], bool]] = None  # data parallel: one decision for all
         self.counters = counters  # OffloadCounters: fetched bytes count in bytes_h2d
         self.timeline = timeline  # perf/timeline.py: each fetch on the h2d track (host issue time)
         self.transfer = transfer  # its `omitted` (the mutation tests) also names flow's syncs
@@ -346,21 +347,44 @@ class WeightFlow:
 
     def restore(self) -> str:
         """close(): the host copies are about to go, so every unit's weights go back into its
-        parameters: on the device when they fit in its free memory, else (a model that never fit)
+        parameters: on the device when they fit in its free memory (on every rank, data
+        parallel: one decision, as each rank's restore gathers), else (a model that never fit)
         as host tensors, which the caller should say. Returns "device" or "host"."""
         away = [u for u in self.units if not u.resident]
-        need = sum(sum(u.nbytes) for u in away)
-        # data parallel: only a gather has the whole weights, and every rank must issue it
-        if self.gather is not None or need <= self.runtime.memory_info()[0]:
+        fits = sum(sum(u.nbytes) for u in away) <= self.runtime.memory_info()[0]
+        if self.all_ranks_true is not None:
+            fits = self.all_ranks_true(fits)
+        if fits:
             for unit in away:
                 self.ensure(unit)
             return "device"
         with torch.no_grad():
             for unit in away:
-                for p in unit.params:
-                    p.data = self.source(p).clone()  # (the host copy is freed with the buckets)
-                unit.resident = True
+                if self.gather is None:
+                    for p in unit.params:
+                        p.data = self.source(p).clone()  # (the host copy is freed with the buckets)
+                    self.runtime.disown(unit.params)
+                    unit.resident = True
+                else:  # only a gather has the whole weights: a unit at a time through the device
+                    self._restore_to_host_through_the_device(unit)
         return "host"
+
+    def _restore_to_host_through_the_device(self, unit: _Unit) -> None:
+        rt = self.runtime
+        self.ensure(unit)  # gathered on the flow stream, which the current stream now waits for
+        hosts = []
+        for p in unit.params:
+            host = rt.host_empty(p.numel(), p.dtype)
+            rt.copy_(host, p.data.reshape(-1))
+            hosts.append(host.view(p.shape))
+        done = rt.new_event()
+        done.record(rt.current_stream())
+        done.synchronize()  # the host tensors are read as soon as this returns
+        self.release(unit)
+        for p, host in zip(unit.params, hosts):
+            p.data = host
+        rt.disown(unit.params)
+        unit.resident = True
 
     def fetch_all(self) -> None:
         """Every unit on the device and waited for (a state_dict of the model, a load)."""

@@ -605,6 +605,15 @@ class SimRuntime:
                 weakref.finalize(self, self._hook.remove)
                 _install_backward(self)
 
+    def disown(self, params) -> None:
+        with self._lock:
+            self._settle()
+            for p in params:
+                known = self._params.get(id(p))
+                if known is not None and known.ref() is p:
+                    del self._params[id(p)]
+            self._count_params()
+
     def adopt_activation(self, tensor: torch.Tensor) -> None:
         """`tensor`, which the compute stream's kernels just wrote (an activation of the model's
         forward), is device memory from now until its Python object goes: counted in device
