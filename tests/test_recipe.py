@@ -55,6 +55,26 @@ def test_every_shipped_recipe_loads_and_validates_without_downloading(path, monk
     assert recipe.training["output_dir"]
 
 
+def test_a_dict_training_value_validates_after_hf_argument_parser_rewrote_the_field_types():
+    """transformers' HfArgumentParser sets a dict-or-str field's Field.type to str in place (a
+    user's script parses its arguments, then loads a recipe): the check reads the annotations."""
+    import dataclasses
+
+    from transformers import HfArgumentParser
+
+    from superoffload_hf.integrations.trainer import TrainingArguments
+
+    types = {f.name: f.type for f in dataclasses.fields(TrainingArguments)}
+    try:
+        HfArgumentParser(TrainingArguments)
+        assert {f.name: f.type for f in dataclasses.fields(TrainingArguments)}["gradient_checkpointing_kwargs"] is str
+        recipe = recipe_from_dict(minimal_recipe(training={"gradient_checkpointing_kwargs": {"use_reentrant": False}}))
+        assert recipe.training["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    finally:
+        for f in dataclasses.fields(TrainingArguments):
+            f.type = types[f.name]
+
+
 def test_recipes_folder_holds_the_tiny_and_the_one_gpu_recipes():
     names = {p.name for p in RECIPES}
     assert {"tiny_llama_cpu.yaml", "llama3.2-1b.yaml", "llama3.1-8b.yaml", "llama-13b.yaml"} <= names

@@ -633,7 +633,11 @@ def validate_training(values: Any) -> dict:
     check_keys("training", values, list(fields_by_name))
     if not values.get("output_dir"):
         raise RecipeError("Missing key `training.output_dir`: where checkpoints are saved, e.g. `output_dir: out/tiny`.")
-    checked = {key: _check_training_value(key, value, fields_by_name[key].type) for key, value in values.items()}
+    # The annotations, not Field.type: transformers' HfArgumentParser rewrites a dict-or-str field's
+    # Field.type to str in place, so after any parse in this process the fields would say str.
+    hints = typing.get_type_hints(TrainingArguments)
+    checked = {key: _check_training_value(key, value, hints.get(key, fields_by_name[key].type))
+               for key, value in values.items()}
     for key, value in checked.items():
         _check_training_range(key, value)
     return checked
