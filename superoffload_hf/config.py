@@ -115,7 +115,9 @@ class SuperOffloadConfig:
     `--dry-run`, which prints the device peak with and without flow) sets it from the activation
     estimate (perf/activation_memory.py) at the recipe's batch, sequence length and
     checkpointing, where `weights` is "auto" or "flow" on an accelerator and the recipe does not
-    set it; the Trainer and plain loops take the number given here."""
+    set it; the Trainer (`TrainingArguments(superoffload=True)`, `superoffload launch`) likewise,
+    at `per_device_train_batch_size` x the longest `input_ids` among the train dataset's first 64
+    samples (logged; an iterable dataset is not counted); plain loops take the number given here."""
 
     activation_offload: str = AUTO
     """Under gradient checkpointing each decoder block keeps its input for the backward (at long

@@ -32,7 +32,9 @@ from superoffload_hf.integrations import launch_env
 from superoffload_hf.integrations.trainer_sequence_parallel import TrainerSequenceParallel
 from superoffload_hf.integrations.resume import interrupted_report, load_weights_only, resolve_resume
 from superoffload_hf.optimizer import SuperOffloadAdamW
+from superoffload_hf.device import make_runtime
 from superoffload_hf.parallel.tiling import prepare_tiling
+from superoffload_hf.train.footprint import with_trainer_activations
 
 logger = logging.getLogger("superoffload_hf.integrations.trainer")
 
@@ -137,6 +139,12 @@ class SuperOffloadHooks:
         decay_names = set(trainer.get_decay_parameter_names(model))
         groups = decay_param_groups(model, lambda name: name not in decay_names, args.weight_decay)
         config = self.plugin.to_config(trainer.accelerator.mixed_precision)
+        checkpointing = getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing  # (5.24's name)
+        config, line = with_trainer_activations(
+            config, self.plugin.explicit_fields(), model, args.per_device_train_batch_size, bool(checkpointing),
+            trainer.train_dataset, lambda: make_runtime(next(model.parameters()).device).memory_info()[0])
+        if line is not None:
+            logger.info("superoffload: %s", line)
         _warn_if_optim_replaced(args)
         optimizer = SuperOffloadAdamW(
             groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
@@ -149,7 +157,6 @@ class SuperOffloadHooks:
                     "max_grad_norm %s, device dtype %s", type(optimizer).__name__,
                     [(g["weight_decay"], len(g["params"])) for g in groups], max_grad_norm(args),
                     config.device_dtype)
-        checkpointing = getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing  # (5.24's name)
         self.apply_activation_offload(model, config.activation_offload, bool(checkpointing))
         return wrap_optimizer(trainer.accelerator, optimizer, config.device_dtype)
 

@@ -201,20 +201,72 @@ def recipe_activations(model_config, recipe: Recipe, config, accelerator: bool, 
     `tiled_loss` / `tiled_mlp` would choose: on an accelerator against an H200's 141 GB less the
     stationary weights (at run time "auto" decides at the first forward against the free memory)."""
     from superoffload_hf.engine.layout import DTYPES
+
+    t = recipe.training
+    dtype_bytes = DTYPES[config.device_dtype].itemsize
+    free = max(H200_BYTES - num_params * dtype_bytes, 0) if accelerator else None
+    return device_activations(model_config, config, int(t.get("per_device_train_batch_size", 8)),
+                              int(recipe.data.seq_len), bool(t.get("gradient_checkpointing", False)),
+                              accelerator, free)
+
+
+def device_activations(model_config, config, micro_batch: int, seq_len: int, gradient_checkpointing: bool,
+                       accelerator: bool, free_device_bytes: Optional[int]):
+    """(ActivationTerms, TilingChoice) of one micro-batch, with the tiling `tiled_loss` /
+    `tiled_mlp` would choose against `free_device_bytes` (free after the weights)."""
+    from superoffload_hf.engine.layout import DTYPES
     from superoffload_hf.parallel.tiling import choose_tiling
     from superoffload_hf.perf.activation_memory import estimate_activations
 
-    t = recipe.training
-    batch, seq = int(t.get("per_device_train_batch_size", 8)), int(recipe.data.seq_len)
     dtype_bytes = DTYPES[config.device_dtype].itemsize
-    free = max(H200_BYTES - num_params * dtype_bytes, 0) if accelerator else None
     choice = choose_tiling(config.tiled_loss, config.tiled_mlp, not accelerator, model_config=model_config,
-                           micro_batch=batch, seq_len=seq, dtype_bytes=dtype_bytes, free_device_bytes=free)
-    terms = estimate_activations(model_config, batch, seq, dtype_bytes,
-                                 gradient_checkpointing=bool(t.get("gradient_checkpointing", False)),
+                           micro_batch=micro_batch, seq_len=seq_len, dtype_bytes=dtype_bytes,
+                           free_device_bytes=free_device_bytes)
+    terms = estimate_activations(model_config, micro_batch, seq_len, dtype_bytes,
+                                 gradient_checkpointing=gradient_checkpointing,
                                  tiled_loss=choice.loss, tiled_mlp=choice.mlp,
                                  loss_chunk=config.tiled_loss_chunk_tokens, mlp_chunk=config.tiled_mlp_chunk_tokens)
     return terms, choice
+
+
+def dataset_seq_len(dataset, samples: int = 64) -> Optional[int]:
+    """The longest `input_ids` among the first `samples` of a map-style dataset (what a padding
+    collator makes a batch's length); None for an iterable dataset or samples without input_ids."""
+    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        return None
+    lengths = []
+    for i in range(min(len(dataset), samples)):
+        item = dataset[i]
+        ids = item.get("input_ids") if isinstance(item, dict) else None
+        if ids is None:
+            return None
+        lengths.append(len(ids))
+    return max(lengths, default=None)
+
+
+def with_trainer_activations(config, explicit: dict, model, micro_batch: int, gradient_checkpointing: bool,
+                             dataset, free_device_bytes) -> tuple[Any, Optional[str]]:
+    """The Trainer's counterpart of `with_recipe_activations`: `config` with `device_activation_bytes`
+    estimated at `micro_batch` x the train dataset's longest sequence among its first samples, for
+    `weights` "auto" or "flow" on an accelerator when the user did not set it, and a line saying
+    so (None: unchanged). `free_device_bytes()`: free device memory now (the weights are there)."""
+    accelerator = next(model.parameters()).device.type != "cpu"
+    if "device_activation_bytes" in explicit or not accelerator or config.weights == "stationary":
+        return config, None
+    seq = dataset_seq_len(dataset)
+    model_config = getattr(model, "config", None)
+    if seq is None or model_config is None:
+        return config, ("activations not counted by `weights` auto: the train dataset's sequence length is "
+                        "unknown (an iterable dataset, or no input_ids); set `device_activation_bytes`")
+    try:
+        terms, _ = device_activations(model_config, config, micro_batch, seq, gradient_checkpointing, True,
+                                      free_device_bytes())
+    except (ValueError, AttributeError, TypeError) as error:  # not a Llama-style config
+        return config, f"activations not counted by `weights` auto ({error}); set `device_activation_bytes`"
+    chosen = config.replace(device_activation_bytes=int(terms.total))
+    return chosen, (f"weights {config.weights} counts {terms.total / 1e9:.3f} GB of activations (the estimate at "
+                    f"{micro_batch} x {seq} tokens, the train dataset's longest of its first samples; "
+                    "`device_activation_bytes` sets it)")
 
 
 def with_recipe_activations(config, recipe: Recipe, model_config, accelerator: bool, num_params: int):
