@@ -40,7 +40,7 @@ def alternating(step: int) -> float:
 
 def build(config: dict, seed: int = 0, **model_kwargs):
     model = tiny_llama(seed=seed, **model_kwargs)
-    return model, SuperOffloadAdamW(model.parameters(), lr=LR, config=config)
+    return model, SuperOffloadAdamW(model.parameters(), lr=LR, config=config, model=model)
 
 
 def train(model, opt, steps: range, poison_steps: dict[int, float] | None = None) -> None:
@@ -113,12 +113,15 @@ def compact_config(precision: str) -> dict:
 COMPACT_MODEL = {"hidden_size": 40}  # norm weights of 40 elements: padded slots
 
 
-@pytest.mark.parametrize("speculation, rollback, precision", [
-    ("on", "inverse", "fp32"), ("off", "inverse", "fp32"), ("auto", "inverse", "fp32"), ("on", "snapshot", "fp32"),
-    ("on", "inverse", "compact"),
+@pytest.mark.parametrize("speculation, rollback, precision, weights", [
+    ("on", "inverse", "fp32", "stationary"), ("off", "inverse", "fp32", "stationary"),
+    ("auto", "inverse", "fp32", "stationary"), ("on", "snapshot", "fp32", "stationary"),
+    ("on", "inverse", "compact", "stationary"),
+    ("on", "inverse", "fp32", "flow"), ("on", "snapshot", "compact", "flow"),  # (weight-flow: no device bucket)
 ])
-def test_resume_mid_run_continues_bit_identically(speculation, rollback, precision):
-    config = engine_config(speculation=speculation, rollback=rollback, **compact_config(precision))
+def test_resume_mid_run_continues_bit_identically(speculation, rollback, precision, weights):
+    flow = {"weights": "flow", "device_buckets": 0} if weights == "flow" else {}
+    config = engine_config(speculation=speculation, rollback=rollback, **compact_config(precision), **flow)
     model_kwargs = COMPACT_MODEL if precision != "fp32" else {}
     poison = {3: math.inf, 7: math.nan}  # a skipped step before and after the checkpoint
     full_model, full_opt = build(config, **model_kwargs)
@@ -130,8 +133,10 @@ def test_resume_mid_run_continues_bit_identically(speculation, rollback, precisi
         opt.close()
         model = tiny_llama(seed=1, **model_kwargs)  # different weights: the checkpoint must restore them
         model.load_state_dict(model_state)
-        opt = SuperOffloadAdamW(model.parameters(), lr=LR, config=config)
+        opt = SuperOffloadAdamW(model.parameters(), lr=LR, config=config, model=model)
         opt.load_state_dict(opt_state)
+        if weights == "flow":
+            assert "weights flow" in opt.describe(), opt.describe()
         if precision != "fp32":  # the compact bytes themselves were saved (the host buckets' parameters)
             assert opt_state["superoffload"]["state_precision"] == precision
             assert "master_bf16" in opt_state["state"][len(opt_state["state"]) - 1]

@@ -107,10 +107,11 @@ def test_bad_hyperparameters_raise_value_error(kwargs):
         SuperOffloadAdamW(small_model().parameters(), config=engine_config(), **kwargs)
 
 
-@pytest.mark.parametrize("device_buckets", [0, 1])
-def test_clip_grad_norm_on_offloaded_gradients_raises_pointing_to_max_grad_norm(device_buckets):
+@pytest.mark.parametrize("device_buckets, weights", [(0, "stationary"), (1, "stationary"), (0, "flow")])
+def test_clip_grad_norm_on_offloaded_gradients_raises_pointing_to_max_grad_norm(device_buckets, weights):
     model = small_model()
-    opt = SuperOffloadAdamW(model.parameters(), config=engine_config(device_buckets=device_buckets))
+    opt = SuperOffloadAdamW(model.parameters(), model=model,
+                            config=engine_config(device_buckets=device_buckets, weights=weights))
     try:
         model(**micro_batches(0)[0]).loss.backward()
         with pytest.raises(RuntimeError, match="max_grad_norm"):
@@ -153,14 +154,15 @@ def _raise_injected(*args, **kwargs):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("weights", ["stationary", "flow"])
 @pytest.mark.parametrize("speculation", ["on", "off"])
-def test_an_exception_in_the_host_step_surfaces_in_the_training_loop(monkeypatch, speculation):
+def test_an_exception_in_the_host_step_surfaces_in_the_training_loop(monkeypatch, speculation, weights):
     backend_class = type(get_host_adam(mode="reference"))
     monkeypatch.setattr(backend_class, "adam_step_", _raise_injected)
     model = small_model()
-    opt = SuperOffloadAdamW(model.parameters(),
+    opt = SuperOffloadAdamW(model.parameters(), model=model,
                             config=engine_config(speculation=speculation, host_kernel="reference",
-                                                 device_buckets=0))
+                                                 device_buckets=0, weights=weights))
     try:
         with pytest.raises(Exception, match="injected host Adam failure"):
             for step in range(3):  # it may surface in backward (speculative) or in step()
@@ -170,6 +172,10 @@ def test_an_exception_in_the_host_step_surfaces_in_the_training_loop(monkeypatch
     finally:
         monkeypatch.undo()
         close_within(opt, seconds=20)
+    if weights == "flow":  # the units away from the device come back from the host copies, not empty
+        for name, p in model.named_parameters():
+            assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
+            assert torch.isfinite(p).all(), name
 
 
 def close_within(opt, seconds: float) -> None:
@@ -190,9 +196,11 @@ def close_within(opt, seconds: float) -> None:
     assert not errors, f"opt.close() raised after the failure had been reported: {errors[0]!r}"
 
 
-def test_close_is_idempotent_and_stops_the_worker():
+@pytest.mark.parametrize("weights", ["stationary", "flow"])
+def test_close_is_idempotent_and_stops_the_worker(weights):
     model = small_model()
-    opt = SuperOffloadAdamW(model.parameters(), config=engine_config(speculation="on"))
+    opt = SuperOffloadAdamW(model.parameters(), model=model,
+                            config=engine_config(speculation="on", device_buckets=0, weights=weights))
     model(**micro_batches(0)[0]).loss.backward()
     opt.step()
     before = threading.active_count()

@@ -117,12 +117,12 @@ def test_many_tiny_layers_match_torch_after_every_step(device_buckets, bucket_si
         opt.close()
 
 
-@pytest.mark.parametrize("device_buckets", [0, 1])
-def test_tiny_llama_with_twelve_layers_matches_torch_after_every_step(device_buckets):
+@pytest.mark.parametrize("device_buckets, weights", [(0, "stationary"), (1, "stationary"), (0, "flow")])
+def test_tiny_llama_with_twelve_layers_matches_torch_after_every_step(device_buckets, weights):
     model, ref_model = tiny_llama(12, hidden_size=16), tiny_llama(12, hidden_size=16)
     config = engine_config(speculation="on", bucket_size_mb=0.001, device_buckets=device_buckets,
-                           host_threads=2)
-    opt = SuperOffloadAdamW(model.parameters(), lr=LR, config=config)
+                           host_threads=2, weights=weights)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, config=config, model=model)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
     try:
         for step in range(12):
@@ -136,6 +136,7 @@ def test_tiny_llama_with_twelve_layers_matches_torch_after_every_step(device_buc
             assert offload_update(opt, max_norm) == ref_skipped
             assert_params_close(model, ref_model, f"step {step}")
         assert opt.counters.rollbacks > 0, opt.counters.as_dict()
+        assert (opt.counters.weight_fetches > 0) == (weights == "flow"), opt.counters.as_dict()
     finally:
         opt.close()
 

@@ -465,6 +465,9 @@ class Engine:
                 self.observer.close()
         finally:
             self.worker.stop()
+            if self.worker.failure is not None and self.flow is not None and self.flow.restore_after_failure():
+                logger.warning("SuperOffload: the host worker failed; the flowing weights are host tensors after "
+                               "close(), as the host last wrote them (a failed step's bucket may be part-updated)")
             self.closed = True
             self.waiter.inflight.clear()
             self.waiter.versions.clear()  # (it names the bucket runtimes, and they their buffers)

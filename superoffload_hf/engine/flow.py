@@ -361,13 +361,29 @@ class WeightFlow:
         with torch.no_grad():
             for unit in away:
                 if self.gather is None:
-                    for p in unit.params:
-                        p.data = self.source(p).clone()  # (the host copy is freed with the buckets)
-                    self.runtime.disown(unit.params)
-                    unit.resident = True
+                    self._restore_to_host(unit)
                 else:  # only a gather has the whole weights: a unit at a time through the device
                     self._restore_to_host_through_the_device(unit)
         return "host"
+
+    def restore_after_failure(self) -> bool:
+        """close() after the host worker failed (stopped now): the units away from the device get
+        the host copies as they are, as host tensors, so the model keeps weights (no device work,
+        which may be what failed). Data parallel: nothing (the whole weights need a gather, a
+        collective the other ranks may never join). Whether any unit was restored."""
+        away = [u for u in self.units if not u.resident]
+        if self.gather is not None or not away:
+            return False
+        with torch.no_grad():
+            for unit in away:
+                self._restore_to_host(unit)
+        return True
+
+    def _restore_to_host(self, unit: _Unit) -> None:
+        for p in unit.params:
+            p.data = self.source(p).clone()  # (the host copy is freed with the buckets)
+        self.runtime.disown(unit.params)
+        unit.resident = True
 
     def _restore_to_host_through_the_device(self, unit: _Unit) -> None:
         rt = self.runtime
