@@ -358,15 +358,16 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
             opt.step()
             opt.zero_grad()
         opt.synchronize() if hasattr(opt, "synchronize") else opt._engine.synchronize()
+        groups = coll.groups()  # close() releases them
         opt.close()
     finally:
         for n in names:
             setattr(dist, n, originals[n])
         dp_module.DataParallel.gather_back = gather_back
-    roles = {id(group): role for role, group in coll.groups()}
+    roles = {id(group): role for role, group in groups}
     named = [(op, roles.get(id(group), "other"), thread, locked) for op, group, thread, locked in log]
     return {"construction": named[:constructed], "training": named[constructed:],
-            "roles": [role for role, _ in coll.groups()]}
+            "roles": [role for role, _ in groups]}
 
 
 # ---- compact host state: data parallel against one process on the same global batch -------------

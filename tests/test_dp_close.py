@@ -76,7 +76,14 @@ def _close_and_drop(rank: int, world: int) -> dict:
             facts["closed: ledger bytes"] = _settled(ledger.bytes)
             facts["closed: buffers alive"] = sum(r() is not None for r in refs)
             facts["closed: device bytes held"] = sim.buffer_bytes() - before
-            del opt
+            coll = opt._engine.dp.coll
+            facts["closed: process groups held"] = [name for name, _ in coll.groups()]
+            try:
+                coll.barrier()  # with its groups gone, group=None would be the default group's
+                facts["closed: a collective"] = "ran"
+            except RuntimeError as error:
+                facts["closed: a collective"] = str(error)
+            del opt, coll
             _, opt = _trained()
             ledger, refs = opt._engine.buckets.ledger, _held(opt)
             del opt
@@ -113,3 +120,10 @@ def test_a_dropped_data_parallel_optimizer_frees_its_engine_and_buffers_without_
         assert facts["dropped: engine, dp alive"] == [False, False], facts
         assert facts["dropped: ledger bytes"] == 0 and facts["dropped: buffers alive"] == 0, facts
         assert facts["dropped: device bytes held"] == 0, facts
+
+
+def test_a_closed_data_parallel_optimizer_drops_its_process_groups_and_refuses_collectives(ranks):
+    """A gloo group's threads end with its last reference (tests/test_process_group_exit.py)."""
+    for facts in ranks:
+        assert facts["closed: process groups held"] == [], facts
+        assert "a collective of a closed optimizer" in facts["closed: a collective"], facts

@@ -103,6 +103,7 @@ class Topology:
 
 
 _EXIT_TEARDOWN: list = []  # the one object whose finalizer destroys the process groups at exit
+_LIVE: "weakref.WeakSet[Collectives]" = weakref.WeakSet()  # released at exit, before the groups are destroyed
 
 
 def destroy_process_groups_at_exit() -> None:
@@ -115,7 +116,9 @@ def destroy_process_groups_at_exit() -> None:
     intermittently in the two-process launcher test). A `weakref.finalize`, not `atexit`: weakref's exit hook
     runs finalizers newest first, so this one, registered when the first group of ours is made,
     runs after the optimizers' own finalizers (created after it), whose close() may still issue
-    collectives (a data-parallel flow's gather)."""
+    collectives (a data-parallel flow's gather). A gloo group's threads end only when its last
+    Python reference goes, not at `destroy_process_group`: every `Collectives` drops its groups
+    first (`release()`), so that they end here, not in the interpreter's finalization."""
     if _EXIT_TEARDOWN:
         return
     anchor = _ExitAnchor()
@@ -130,6 +133,8 @@ class _ExitAnchor:
 def _destroy_process_groups() -> None:
     import torch.distributed as dist
 
+    for collectives in list(_LIVE):
+        collectives.release()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -150,6 +155,15 @@ class Collectives:
         self.issue_lock = threading.Lock()  # held while a collective is issued (module docstring)
         # A weak reference to what a training-thread collective runs first (engine/dp.py sets it)
         self.before_training: Optional[Callable[[], Optional[Callable[[], None]]]] = None
+        self.released = False
+        _LIVE.add(self)
+
+    def release(self) -> None:
+        """Drop this rank's process groups (close(), and exit before the groups are destroyed):
+        a gloo group's threads end with its last reference. Any later collective raises."""
+        self.released = True
+        self.grad_group = self.gather_group = self.replica_group = self.world_group = self.control_group = None
+        _LIVE.discard(self)
 
     @classmethod
     def create(cls, process_group=None, timeout: Optional[datetime.timedelta] = None,
@@ -225,6 +239,9 @@ class Collectives:
     def _issuing(self, training: bool = True):
         """Around every collective: the training thread's wait for the worker's queued ones
         (`before_training`), then the lock that keeps the two threads' collectives apart."""
+        if self.released:  # group=None would silently mean the default group
+            raise RuntimeError("SuperOffload: a collective of a closed optimizer (its process groups were released "
+                               "at close() or at exit); build a new optimizer to keep training.")
         hook = self.before_training() if training and self.before_training is not None else None
         if hook is not None:
             hook()

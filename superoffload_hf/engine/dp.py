@@ -468,8 +468,10 @@ class DataParallel:
         return pair[0][:padded], pair[1][:numel]
 
     def release(self) -> None:
-        """close(): drop the all-gather buffers (device memory; the worker is stopped)."""
+        """close(): drop the all-gather buffers (device memory; the worker is stopped) and the
+        process groups (their gloo threads end with the last reference)."""
         self._gather_pairs.clear()
+        self.coll.release()
 
     def refresh_device_params(self) -> None:
         """Every host bucket's weights from the shards' masters (after loading state), in bucket
