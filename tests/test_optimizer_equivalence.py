@@ -211,19 +211,23 @@ def skip_is_exact(speculation: str, rollback: str = "inverse") -> bool:
 @pytest.mark.parametrize("clipping", list(CLIPPING))
 @pytest.mark.parametrize("speculation", SPECULATION)
 def test_matches_torch_adamw_with_clipping(speculation, clipping):
-    _matches_torch_adamw_with_clipping(speculation, clipping)
+    skipped, counters = _matches_torch_adamw_with_clipping(speculation, clipping)
+    assert skipped == [False] * STEPS and counters.steps == STEPS, counters.as_dict()
 
 
 @pytest.mark.parametrize("speculation, clipping", [("on", "mild"), ("off", "alternating")])
 def test_weight_flow_matches_torch_adamw_with_clipping(speculation, clipping):
     """Weight-flow (engine/flow.py): every unit streamed from the host copy the host Adam writes."""
-    _matches_torch_adamw_with_clipping(speculation, clipping, steps=8, weights="flow")
+    skipped, counters = _matches_torch_adamw_with_clipping(speculation, clipping, steps=8, weights="flow")
+    assert skipped == [False] * 8 and counters.steps == 8, counters.as_dict()
 
 
 def _matches_torch_adamw_with_clipping(speculation, clipping, steps=STEPS, **changes):
+    """run_side_by_side (every parameter and Adam state element against torch AdamW after every
+    step) plus the speculation counters each setting implies; returns (skip flags, counters)."""
     pair = make_pair(speculation, **changes)
     try:
-        run_side_by_side(pair, CLIPPING[clipping], steps=steps)
+        skipped = run_side_by_side(pair, CLIPPING[clipping], steps=steps)
         counters = pair.opt.counters
         assert counters.skips == 0
         if speculation == "off":
@@ -238,6 +242,7 @@ def _matches_torch_adamw_with_clipping(speculation, clipping, steps=STEPS, **cha
             # The first bucket's norm already exceeds TINY: clipping is certain before anything is
             # speculated, so nothing is stepped twice (speculation.SpeculationBudget).
             assert counters.rollbacks == 0, counters.as_dict()
+        return skipped, counters
     finally:
         pair.close()
 
