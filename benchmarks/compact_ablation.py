@@ -17,6 +17,9 @@ State knobs (a variant is a dict of them, VARIANTS):
   round:  nearest | stochastic (the moments' encode; the master always rounds to nearest)
   scale:  bf16up (the least bf16 >= amax/Q, as the format) | fp32 (amax/Q)
   group:  elements per scale (32)
+  kernel: None | fp32 | compact: instead of the emulation, GraceAdam itself (adam_step_ or
+          compact_step_ of host/kernel.py on one thread) steps each parameter's own buffers, the
+          format bit for bit as the product stores it, under the same stock Trainer path
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import compact_quality  # noqa: E402
 
 from superoffload_hf.host import compact  # noqa: E402
 
-BASE = dict(master="fp32", m="fp32", v="fp32", round="nearest", vround=None, scale="bf16up", group=32)
+BASE = dict(master="fp32", m="fp32", v="fp32", round="nearest", vround=None, scale="bf16up", group=32, kernel=None)
 VARIANTS = {
     "fp32": {},
     "bf16": dict(master="bf16"),
@@ -55,6 +58,12 @@ VARIANTS = {
     "m8-fp32scale": dict(m="lin8", scale="fp32"),
     "compact-fp32scale": dict(master="err8", m="lin8", v="sqrt8", scale="fp32"),
     "compact-vsr": dict(master="err8", m="lin8", v="sqrt8", vround="stochastic"),
+    "err8-v8sr": dict(master="err8", v="sqrt8", vround="stochastic"),
+    "m8-v8sr": dict(m="lin8", v="sqrt8", vround="stochastic"),
+    "compact-mc-vsr": dict(master="err8", m="comp8", v="sqrt8", vround="stochastic"),
+    # the product's kernels themselves (GraceAdam adam_step_ / compact_step_ on each parameter)
+    "kernel-fp32": dict(kernel="fp32"),
+    "kernel-compact": dict(kernel="compact"),
 }
 
 
@@ -138,14 +147,17 @@ def store_master(w: torch.Tensor, kind: str) -> torch.Tensor:
 class EmulatedStateAdamW(torch.optim.Optimizer):
     """AdamW whose state is stored (encoded and decoded) in an emulated format after each step."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay, cfg: dict, seed: int):
+    def __init__(self, params, lr, betas, eps, weight_decay, cfg: dict, seed: int, backend=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.cfg = cfg
+        self._backend = backend  # the kernel variants' host Adam (None: GraceAdam on one thread, made at step 1)
         self.gen = torch.Generator().manual_seed(1000 + seed)
 
     @torch.no_grad()
     def step(self, closure=None):
         cfg = self.cfg
+        if cfg["kernel"]:
+            return self._kernel_step()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -168,6 +180,38 @@ class EmulatedStateAdamW(torch.optim.Optimizer):
                 st["m"] = quantise_m(m, cfg["m"], cfg, self.gen)
                 st["v"] = quantise_v(v, cfg["v"], cfg, self.gen)
                 p.copy_(st["master"])  # bf16 device weight, round to nearest
+        return None
+
+
+    def _kernel_step(self):
+        from superoffload_hf.host.kernel import get_host_adam
+
+        if self._backend is None:
+            self._backend = get_host_adam("cpp", threads=1)
+        be = self._backend
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                n = p.numel()
+                if not st:
+                    st["step"] = 0
+                    if self.cfg["kernel"] == "fp32":
+                        st["buf"] = (p.detach().float().reshape(-1).clone(), torch.zeros(n), torch.zeros(n))
+                    else:
+                        st["buf"] = compact.empty_state(n, self.cfg["kernel"])
+                        be.compact_encode_(*st["buf"], p.detach().float().reshape(-1).clone(), torch.zeros(n), torch.zeros(n))
+                st["step"] += 1
+                hyper = dict(step=st["step"], lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, adamw=True)
+                g = p.grad.reshape(-1).contiguous()
+                if self.cfg["kernel"] == "fp32":
+                    be.adam_step_(*st["buf"], g, **hyper)
+                    p.copy_(st["buf"][0].view_as(p))
+                else:
+                    be.compact_step_(*st["buf"], g, **hyper)
+                    p.copy_(st["buf"][0].view_as(p))
         return None
 
 

@@ -50,3 +50,48 @@ def test_synthetic_study_shows_v_stuck_high_when_rounded_to_nearest_and_not_when
     assert last["v8"]["sqrt_v_ratio"] > 1.05 and last["v8"]["update_ratio"] < 0.95  # the gap's cause
     for name in ("v8-sr",):
         assert abs(last[name]["sqrt_v_ratio"] - 1) < 0.02, (name, last[name])
+
+
+def _kernel_variant_run(kind: str, backend, steps: int = 6):
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16)) for n in (70, 33)]
+    grads = [[(torch.randn(p.numel(), generator=gen) * 1e-2).to(torch.bfloat16) for p in params] for _ in range(steps)]
+    opt = ab.EmulatedStateAdamW(params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                                cfg=dict(ab.BASE, **ab.VARIANTS[f"kernel-{kind}"]), seed=0, backend=backend)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return params, grads, opt
+
+
+def test_kernel_compact_variant_steps_each_parameter_as_the_compact_reference(cpp_adam):
+    from superoffload_hf.host import compact
+
+    params, grads, opt = _kernel_variant_run("compact", cpp_adam("scalar"))
+    gen = torch.Generator().manual_seed(3)
+    init = [(torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16) for n in (70, 33)]
+    for i, (p, w0) in enumerate(zip(params, init)):
+        n = w0.numel()
+        ref = compact.empty_state(n, "compact")
+        compact.compact_encode_(*ref, w0.float(), torch.zeros(n), torch.zeros(n))
+        for t, step_grads in enumerate(grads, start=1):
+            compact.compact_step_(*ref, step_grads[i], step=t, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                  weight_decay=0.1, adamw=True)
+        for got, want in zip(opt.state[p]["buf"], ref):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(p.detach(), ref[0])  # the device weight is the master's bf16 part
+
+
+def test_kernel_fp32_variant_matches_torch_adamw(cpp_adam):
+    params, grads, opt = _kernel_variant_run("fp32", cpp_adam("scalar"))
+    gen = torch.Generator().manual_seed(3)
+    masters = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16).float()) for n in (70, 33)]
+    torch_opt = torch.optim.AdamW(masters, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    for step_grads in grads:
+        for m, g in zip(masters, step_grads):
+            m.grad = g.float()
+        torch_opt.step()
+    for p, m in zip(params, masters):
+        torch.testing.assert_close(opt.state[p]["buf"][0], m.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.detach(), opt.state[p]["buf"][0].to(torch.bfloat16))  # rounded to nearest
