@@ -153,65 +153,59 @@ class EmulatedStateAdamW(torch.optim.Optimizer):
         self._backend = backend  # the kernel variants' host Adam (None: GraceAdam on one thread, made at step 1)
         self.gen = torch.Generator().manual_seed(1000 + seed)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        cfg = self.cfg
-        if cfg["kernel"]:
-            return self._kernel_step()
+    def _stepped(self):
+        """(p, its state, lr, beta1, beta2, eps, weight_decay) of each parameter with a gradient,
+        its step count advanced."""
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 st = self.state[p]
-                if not st:
-                    st["step"] = 0
-                    st["master"] = p.float()
-                    st["m"] = torch.zeros_like(p, dtype=torch.float32)
-                    st["v"] = torch.zeros_like(p, dtype=torch.float32)
-                st["step"] += 1
-                t = st["step"]
-                g = p.grad.float()
-                m = st["m"].mul(b1).add_(g, alpha=1 - b1)
-                v = st["v"].mul(b2).addcmul_(g, g, value=1 - b2)
-                denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-                w = st["master"].mul(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1**t))
-                st["master"] = store_master(w, cfg["master"])
-                st["m"] = quantise_m(m, cfg["m"], cfg, self.gen)
-                st["v"] = quantise_v(v, cfg["v"], cfg, self.gen)
-                p.copy_(st["master"])  # bf16 device weight, round to nearest
-        return None
+                st["step"] = st.get("step", 0) + 1
+                yield p, st, lr, b1, b2, eps, wd
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        cfg = self.cfg
+        if cfg["kernel"]:
+            return self._kernel_step()
+        for p, st, lr, b1, b2, eps, wd in self._stepped():
+            if "master" not in st:
+                st["master"] = p.float()
+                st["m"] = torch.zeros_like(p, dtype=torch.float32)
+                st["v"] = torch.zeros_like(p, dtype=torch.float32)
+            t = st["step"]
+            g = p.grad.float()
+            m = st["m"].mul(b1).add_(g, alpha=1 - b1)
+            v = st["v"].mul(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+            w = st["master"].mul(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1**t))
+            st["master"] = store_master(w, cfg["master"])
+            st["m"] = quantise_m(m, cfg["m"], cfg, self.gen)
+            st["v"] = quantise_v(v, cfg["v"], cfg, self.gen)
+            p.copy_(st["master"])  # bf16 device weight, round to nearest
+        return None
 
     def _kernel_step(self):
         from superoffload_hf.host.kernel import get_host_adam
 
         if self._backend is None:
             self._backend = get_host_adam("cpp", threads=1)
-        be = self._backend
-        for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                n = p.numel()
-                if not st:
-                    st["step"] = 0
-                    if self.cfg["kernel"] == "fp32":
-                        st["buf"] = (p.detach().float().reshape(-1).clone(), torch.zeros(n), torch.zeros(n))
-                    else:
-                        st["buf"] = compact.empty_state(n, self.cfg["kernel"])
-                        be.compact_encode_(*st["buf"], p.detach().float().reshape(-1).clone(), torch.zeros(n), torch.zeros(n))
-                st["step"] += 1
-                hyper = dict(step=st["step"], lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, adamw=True)
-                g = p.grad.reshape(-1).contiguous()
-                if self.cfg["kernel"] == "fp32":
-                    be.adam_step_(*st["buf"], g, **hyper)
-                    p.copy_(st["buf"][0].view_as(p))
+        be, kind = self._backend, self.cfg["kernel"]
+        for p, st, lr, b1, b2, eps, wd in self._stepped():
+            n = p.numel()
+            if "buf" not in st:
+                w0, zeros = p.detach().float().reshape(-1).clone(), torch.zeros(n)
+                if kind == "fp32":
+                    st["buf"] = (w0, zeros, torch.zeros(n))
                 else:
-                    be.compact_step_(*st["buf"], g, **hyper)
-                    p.copy_(st["buf"][0].view_as(p))
+                    st["buf"] = compact.empty_state(n, kind)
+                    be.compact_encode_(*st["buf"], w0, zeros, torch.zeros(n))
+            hyper = dict(step=st["step"], lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, adamw=True)
+            stepper = be.adam_step_ if kind == "fp32" else be.compact_step_
+            stepper(*st["buf"], p.grad.reshape(-1).contiguous(), **hyper)
+            p.copy_(st["buf"][0].view_as(p))  # fp32: rounded to nearest; compact: the master's bf16 part
         return None
 
 
