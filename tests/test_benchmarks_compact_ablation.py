@@ -54,7 +54,8 @@ def test_synthetic_study_shows_v_stuck_high_when_rounded_to_nearest_and_not_when
 
 def _kernel_variant_run(kind: str, backend, steps: int = 6):
     gen = torch.Generator().manual_seed(3)
-    params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16)) for n in (70, 33)]
+    init = [(torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16) for n in (70, 33)]
+    params = [torch.nn.Parameter(w.clone()) for w in init]
     grads = [[(torch.randn(p.numel(), generator=gen) * 1e-2).to(torch.bfloat16) for p in params] for _ in range(steps)]
     opt = ab.EmulatedStateAdamW(params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
                                 cfg=dict(ab.BASE, **ab.VARIANTS[f"kernel-{kind}"]), seed=0, backend=backend)
@@ -62,15 +63,13 @@ def _kernel_variant_run(kind: str, backend, steps: int = 6):
         for p, g in zip(params, step_grads):
             p.grad = g.clone()
         opt.step()
-    return params, grads, opt
+    return init, params, grads, opt
 
 
 def test_kernel_compact_variant_steps_each_parameter_as_the_compact_reference(cpp_adam):
     from superoffload_hf.host import compact
 
-    params, grads, opt = _kernel_variant_run("compact", cpp_adam("scalar"))
-    gen = torch.Generator().manual_seed(3)
-    init = [(torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16) for n in (70, 33)]
+    init, params, grads, opt = _kernel_variant_run("compact", cpp_adam("scalar"))
     for i, (p, w0) in enumerate(zip(params, init)):
         n = w0.numel()
         ref = compact.empty_state(n, "compact")
@@ -84,9 +83,8 @@ def test_kernel_compact_variant_steps_each_parameter_as_the_compact_reference(cp
 
 
 def test_kernel_fp32_variant_matches_torch_adamw(cpp_adam):
-    params, grads, opt = _kernel_variant_run("fp32", cpp_adam("scalar"))
-    gen = torch.Generator().manual_seed(3)
-    masters = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16).float()) for n in (70, 33)]
+    init, params, grads, opt = _kernel_variant_run("fp32", cpp_adam("scalar"))
+    masters = [torch.nn.Parameter(w.float()) for w in init]
     torch_opt = torch.optim.AdamW(masters, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     for step_grads in grads:
         for m, g in zip(masters, step_grads):
