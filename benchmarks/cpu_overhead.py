@@ -178,7 +178,22 @@ class BusyLoad:
 
     def __enter__(self):
         self.procs = [subprocess.Popen([sys.executable, "-c", SPIN_LOOP]) for _ in range(self.count)]
+        self._wait_running()
         return self
+
+    def _wait_running(self, timeout_s: float = 10.0) -> None:
+        """Until every spinner shows its own command line (the load is on before the first timed
+        run; a process just forked can still show its parent's for a moment). No /proc: no wait."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            path = f"/proc/{proc.pid}/cmdline"
+            while os.path.exists("/proc") and time.monotonic() < deadline:
+                try:
+                    if SPIN_LOOP.encode() in open(path, "rb").read().split(b"\0"):
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.01)
 
     def __exit__(self, *exc):
         for proc in self.procs:
