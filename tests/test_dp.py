@@ -84,9 +84,11 @@ def test_a_gradient_after_the_bucket_left_the_rank_is_an_error_that_says_what_to
 
 # ---- skip, clip and rollback in every speculation mode ------------------------------------------
 #
-# Rank 1's gradient of layers.1.1.weight is inf at step 3: the step is skipped on both ranks. Rank 0's
-# shards are all finite, so it steps every one of them speculatively (the embedding too: on the host
-# here, with rows that see their first gradient at step 3) and rolls them all back. Steps 4 and 5
+# Rank 1's gradient of layers.1.1.weight is inf at step 3: the step is skipped on both ranks. Rank 1
+# sends that bucket as all inf, so neither rank speculates it or anything after it (the embedding:
+# on the host here, with rows that see their first gradient at step 3); both step the buckets
+# launched before it speculatively and roll them back (tests/test_dp_skip.py: a configuration
+# where a rank that stepped the embedding and rolled it back was 5.7e-4 off). Steps 4 and 5
 # must continue as torch does from the untouched state: a rollback that left a rounding residue in
 # exp_avg where the step started from zero moments (exp_avg_sq restored to exactly 0) made the next
 # update divide it by eps, 4e-6 away from the reference. train() compares every parameter after

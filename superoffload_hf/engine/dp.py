@@ -10,7 +10,9 @@ master and moments, plus its shard of the gradient staging. Per step and host bu
                             on the first accumulation: 4 B/param of device memory for the host
                             buckets while accumulating, the same as DDP's gradients)
   launch (training thread)  reduce-scatter of the bucket in the link dtype: the mean over all
-                            ranks of this rank's shard; its copy to the host staging; the worker
+                            ranks of this rank's shard (a bucket with a non-finite element sent
+                            as all non-finite: every rank's shard shows the certain skip,
+                            `spread_nonfinite`); its copy to the host staging; the worker
                             computes the shard's float64 sum of squares and, speculatively, steps
                             the shard (no copy-back yet: the device keeps the old weights)
   step()                    the buckets not launched yet launched (zeros for the gradients this
@@ -241,12 +243,14 @@ class DataParallel:
         """The bucket's reduce-scatter and the shard's copy to the host (LAUNCHED); returns what
         the receive job needs."""
         link = self.collector.link_dtype
-        flat = rt.round_dev
+        flat, rt.round_dev = rt.round_dev, None
         if flat is None:  # no gradient here, but on another rank: this rank adds zeros
             flat = self.transfer.device_empty(rt.shard.padded_numel, link).zero_()
-        rt.round_dev = None
-        if flat.dtype != link:
-            flat = flat.to(link)
+        else:
+            if flat.dtype != link:
+                flat = flat.to(link)
+            if rt.bucket.speculative and self.collector.policy.may_speculate():
+                flat = spread_nonfinite(flat)
         shard_dev = self.transfer.device_empty(rt.shard.numel, link)
         self._host_collective_ready()
         self.coll.reduce_scatter_mean(flat, shard_dev)
@@ -568,6 +572,21 @@ class DataParallel:
 
         slot = rt.bucket.slots[k]
         return Piece(slot=k, index=slot.index, param_start=0, param_end=slot.numel, offset=slot.offset)
+
+
+def spread_nonfinite(flat: torch.Tensor) -> torch.Tensor:
+    """In place: `flat` unchanged (bitwise) where every element is finite; else its largest |x|
+    (inf, or NaN where one is NaN) in every element. Reduce-scattered, a non-finite gradient then
+    reaches every rank's shard, not only the one holding the element: each rank sees at this
+    bucket's norm that the step will be skipped and speculates neither it nor any bucket after
+    it, as one process does. (A peer that did not see it stepped those speculatively and the skip
+    rolled them back; the inverse rollback restores a moment only to within an ulp of the step's
+    term, so an element whose moments were far smaller, a rarely seen embedding row's, came back
+    far off, and the next step moved it by up to lr.) The step is skipped either way (this
+    gradient is never used) and the global norm is inf or NaN as before. On the device, without
+    a host synchronisation."""
+    worst = torch.linalg.vector_norm(flat, float("inf"))
+    return torch.where(torch.isfinite(worst), flat, worst, out=flat)
 
 
 def _range_views(bufs: BucketBuffers, lo: int, hi: int, kinds: bool = False) -> dict[str, torch.Tensor]:

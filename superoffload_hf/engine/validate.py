@@ -78,6 +78,11 @@ class SpeculationPolicy:
             return self.mode == "on"
         return self.overlap and self.rollback_rate() <= self.max_rollback_rate
 
+    def may_speculate(self) -> bool:
+        """Whether any step may speculate (the mode, not this step's choice, which under "auto"
+        follows this rank's own rollbacks)."""
+        return self.mode == "on" or (self.mode == "auto" and self.overlap)
+
     def rollback_rate(self) -> float:
         return sum(self.recent) / len(self.recent) if self.recent else 0.0
 

@@ -51,8 +51,12 @@ Zero moments (an element that had no gradient before this step: an embedding row
 come back exactly zero, for AdamW and Adam without weight decay: the rollback subtracts the
 rounded term the step added, so ``m = 0 + t`` gives back ``t - t = 0`` (and ``v`` likewise). Any
 residue there would stay: with ``v`` restored to 0 the next step divides it by ``eps`` (a step
-skipped after a speculative step, as a data-parallel rank takes when only a peer's gradient is
-not finite, then moved such elements by ~lr/1000 where torch does not move them at all).
+skipped after a speculative step then moved such elements by ~lr/1000 where torch does not move
+them at all). Moments that were not zero but far below the step's term (``beta2*v`` under an ulp
+of ``(1-beta2)*g*g``) come back within the bound above, which is then a large part of them, and
+the next step's ``m/sqrt(v)`` carries it: a rollback without a replay (a skip) is exact only
+where nothing was that small. The engine therefore speculates no bucket after one whose gradient
+is not finite, on any data-parallel rank (engine/dp.py ``spread_nonfinite``).
 
 The magnitudes are those the update combines, not the result, which cancellation can make
 arbitrarily small. A consequence worth knowing: after a rollback and a *clipped* replay with
