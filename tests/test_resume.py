@@ -83,6 +83,10 @@ def test_under_superoffload_launch_the_weights_only_fix_is_the_block_field_and_t
             f"script `--resume_from_checkpoint {tmp_path / 'out' / 'checkpoint-4'} --output_dir {tmp_path / 'out_2'}`"
             ) in message, message
     assert "--training." not in message and "\n" not in message
+    with pytest.raises(ResumeError) as error:  # a stock script would pass `--resume_from_checkpoint true` as a path
+        resolve_resume(str(tmp_path / "out" / "checkpoint-6"), tmp_path / "out")
+    assert "resume_from_checkpoint: true" not in str(error.value), error.value
+    assert str(error.value).endswith(f"Resume from an earlier checkpoint (e.g. {tmp_path / 'out' / 'checkpoint-4'}).")
 
 
 @pytest.mark.parametrize("content, problem", [(b"", "the file is empty"), (None, "not a complete torch.save archive")])

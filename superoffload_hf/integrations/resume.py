@@ -124,12 +124,11 @@ def resolve_resume(resume: Union[bool, str, Path, None], output_dir: Union[str, 
             example = f"e.g. {newest}, " if newest is not None else ""
             raise ResumeError(f"Can't find a valid checkpoint at {resume}: it is an output directory (it holds "
                               f"{', '.join(p.name for p in inside[:3])}), not a checkpoint. Give one of its "
-                              f"checkpoints ({example}a checkpoint-N directory), or `resume_from_checkpoint: true` "
-                              "for the newest complete one in output_dir.")
+                              f"checkpoints ({example}a checkpoint-N directory){_or_true(' in output_dir')}.")
         why = incomplete_reason(checkpoint)
         if why is not None:
             raise ResumeError(f"Can't find a valid checkpoint at {resume}: {why}. Resume from an earlier checkpoint"
-                              f"{_earlier_hint(checkpoint)}, or `resume_from_checkpoint: true` for the newest complete one.")
+                              f"{_earlier_hint(checkpoint)}{_or_true('')}.")
     if weights_only:
         check_new_run_output(output_dir, weights_only_from=checkpoint)
     else:
@@ -202,6 +201,14 @@ def check_training_state(checkpoint: Path, output_dir: Union[str, Path, None] = 
 def _weights_only(checkpoint: Path, output_dir: Union[str, Path]) -> str:
     return ("resume the model weights only, with a fresh optimizer and LR schedule from step 0, into a new "
             f"output directory: {weights_only_fix(checkpoint, output_dir)}")
+
+
+def _or_true(where: str) -> str:
+    """The `true` choice, except under `superoffload launch`: a stock script passes
+    `--resume_from_checkpoint true` on as the path "true"."""
+    if launch_env.launch_command() is not None:
+        return ""
+    return f", or `resume_from_checkpoint: true` for the newest complete one{where}"
 
 
 def _zip_problem(path: Path) -> Optional[str]:
