@@ -118,3 +118,13 @@ def test_resuming_from_the_output_directory_itself_says_so_and_names_a_checkpoin
     assert message.startswith(f"Can't find a valid checkpoint at {tmp_path}: it is an output directory"), message
     assert "it is an output directory (it holds checkpoint-20, checkpoint-10), not a checkpoint" in message, message
     assert f"e.g. {tmp_path / 'checkpoint-20'}" in message and "interrupted" not in message
+
+
+def test_the_weights_only_fix_keeps_an_output_dir_that_holds_no_checkpoints(tmp_path):
+    write_checkpoint(tmp_path / "old" / "checkpoint-4", 4, optimizer=False)
+    with pytest.raises(ResumeError) as error:
+        resolve_resume(tmp_path / "old" / "checkpoint-4", tmp_path / "new run")
+    message = str(error.value)
+    assert (f"`--training.resume_from_checkpoint {tmp_path / 'old' / 'checkpoint-4'} --training.resume_weights_only "
+            f"true --training.output_dir '{tmp_path / 'new run'}'` (superoffload train), or "
+            f"`TrainingArguments(output_dir='{tmp_path / 'new run'}', resume_weights_only=True)`") in message, message

@@ -156,15 +156,17 @@ def check_new_run_output(output_dir: Union[str, Path], weights_only_from: Option
 
 
 def weights_only_fix(checkpoint: Path, output_dir: Union[str, Path]) -> str:
-    """How to resume the weights of `checkpoint` at step 0 into a new output directory, spelled for
-    the route that runs this process: `superoffload launch` (a stock script's own arguments and the
-    accelerate config's block), else `superoffload train` and TrainingArguments."""
-    new_dir, source = shlex.quote(str(free_sibling(output_dir))), shlex.quote(str(checkpoint))
+    """How to resume the weights of `checkpoint` at step 0 into an output directory without
+    checkpoints (`output_dir`, or a new one beside it), spelled for the route that runs this
+    process: `superoffload launch` (a stock script's own arguments and the accelerate config's
+    block), else `superoffload train` and TrainingArguments."""
+    target = free_sibling(output_dir) if checkpoints_newest_first(output_dir) else Path(output_dir)
+    new_dir, source = shlex.quote(str(target)), shlex.quote(str(checkpoint))
     if launch_env.launch_command() is not None:
         return (f"set `resume_weights_only: true` in the `superoffload:` block of the accelerate config and give "
                 f"the script `--resume_from_checkpoint {source} --output_dir {new_dir}`")
     return (f"`--training.resume_from_checkpoint {source} --training.resume_weights_only true --training.output_dir "
-            f"{new_dir}` (superoffload train), or `TrainingArguments(output_dir={str(new_dir)!r}, "
+            f"{new_dir}` (superoffload train), or `TrainingArguments(output_dir={str(target)!r}, "
             f"resume_weights_only=True)` and `resume_from_checkpoint={str(checkpoint)!r}`")
 
 
@@ -199,8 +201,8 @@ def check_training_state(checkpoint: Path, output_dir: Union[str, Path, None] = 
 
 
 def _weights_only(checkpoint: Path, output_dir: Union[str, Path]) -> str:
-    return ("resume the model weights only, with a fresh optimizer and LR schedule from step 0, into a new "
-            f"output directory: {weights_only_fix(checkpoint, output_dir)}")
+    return ("resume the model weights only, with a fresh optimizer and LR schedule from step 0, into an "
+            f"output directory without checkpoints: {weights_only_fix(checkpoint, output_dir)}")
 
 
 def _or_true(where: str) -> str:
