@@ -210,6 +210,15 @@ class SuperOffloadConfig:
     one data-parallel replica's batch, each rank 1/N of every sequence; it must divide the
     world size (the number of processes). 1: off."""
 
+    resume_weights_only: bool = False
+    """Under the Trainer, with `resume_from_checkpoint`: load only the model weights of the
+    checkpoint and train from step 0 with a fresh optimizer and LR schedule (for a checkpoint whose
+    optimizer state is missing or corrupt). The same as `TrainingArguments(resume_weights_only=True)`;
+    this field is how a stock script under `superoffload launch`, whose argument parser knows no
+    such flag, asks for it (with the script's own `--resume_from_checkpoint`). A run from step 0
+    may not write into an output_dir that holds checkpoints (its saves would overwrite them and
+    `save_total_limit` rotate them away): give the script a new `--output_dir`."""
+
     timeline_dir: Optional[str] = None
     """Write a step timeline of `timeline_steps` to this directory: trace.json (Chrome trace
     format: open it in Perfetto or chrome://tracing) and timeline.png (needs matplotlib: the
@@ -288,6 +297,8 @@ class SuperOffloadConfig:
         _check_choice("host_kernel", self.host_kernel, HOST_KERNEL_CHOICES)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
         _check_int("sequence_parallel_size", self.sequence_parallel_size, minimum=1)
+        if not isinstance(self.resume_weights_only, bool):
+            raise ConfigError(f"`resume_weights_only` is {self.resume_weights_only!r}; expected true or false.")
         if self.timeline_dir is not None and not isinstance(self.timeline_dir, str):
             raise ConfigError(f"`timeline_dir` is {self.timeline_dir!r}; expected a directory path (a string) or null.")
         steps = self.timeline_steps
