@@ -98,7 +98,7 @@ def release_free_heap() -> None:
     library has none). glibc serves a block below its mmap threshold from the heap, and after a
     large block is freed it raises that threshold to the block's size (up to 32 MiB): a re-plan's
     old arenas and gradient ring then leave holes in the heap that stay resident, uncounted by
-    the Ledger, for the life of the process (1.4 B/param with compact state measured on a 31.6M
+    the Ledger, for the life of the process (0.6-1.7 B/param with compact state on a 31.6M
     Llama). The engine calls this where it frees such buffers (runtime.host_empty_cache())."""
     trim = _malloc_trim()
     if trim is not None:
