@@ -311,6 +311,7 @@ class Engine:
         self.buckets.replan(plan)
         self.layout = self.layout.with_plan(plan)
         self._reserve_staging()
+        self.runtime.host_empty_cache()  # the old gradient ring and staging (the CPU device: host memory)
 
     def _reserve_staging(self) -> None:
         """The copy-back staging buffer is sized to the plan's largest host bucket."""
