@@ -151,7 +151,7 @@ def run_mode(args, speculation: str, max_grad_norm: float, timeline_dir=None) ->
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     config = {"device_dtype": args.dtype, "speculation": speculation, "rollback": args.rollback,
-              "cast": args.cast, "host_kernel": args.host_kernel, "device_buckets": _auto_or_int(args.device_buckets),
+              "cast": args.cast, "host_kernel": args.host_kernel, "host_memory_budget": args.host_memory_budget, "device_buckets": _auto_or_int(args.device_buckets),
               "bucket_size_mb": _auto_or_float(args.bucket_mb)}
     if timeline_dir is not None:
         config.update(timeline_dir=str(timeline_dir), timeline_steps=(args.warmup, args.warmup + 1))
