@@ -12,13 +12,20 @@
 #                        loudly, and every later stage runs with `host_kernel: cpp`, never the
 #                        reference Adam) and named
 #   gpu_tests            tests/test_gpu.py (pytest -m gpu; run directly when pytest is absent)
-#   gpu_tests_sanitizer  the same under the CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1)
 #   train_llama          a ~1B Llama built from LlamaConfig (hidden 2048, 16 layers, intermediate
 #                        5504, vocab 32000), bf16, seq 2048 x batch 1, speculation on/off at
 #                        max_grad_norm 1.0 and 1e3: tokens/s, MFU (against the H200's 989 TFLOPS
 #                        bf16 dense peak), device idle per step, peak device memory and host RSS
 #                        against the dry run's figures, the step timeline (trace.json); each mode's
 #                        results written when it ends, a refused or failed mode recorded as such
+#   flow, activation_offload, tiling, compact, trainer
+#                        benchmarks/gpu_features.py: weight-flow on a model made not to fit (the run
+#                        sets a device budget), activation offload and the tiled loss and MLP at a
+#                        long sequence, compact state, the Trainer with bf16 and gradient
+#                        checkpointing; each against its CPU reference, with tokens/s, device idle
+#                        and peak memory against the dry run's figures
+#   sanitizer            the GPU tests and the flow and activation_offload features under the CUDA
+#                        stream sanitizer (TORCH_CUDA_SANITIZER=1); the summary says what it covers
 #   host_adam            benchmarks/adam.py at 32M elements (one size, 3 repetitions): the host
 #                        Adam rate on every core against its targets (a miss: "missed target")
 #   link                 superoffload probe: copy bandwidth host->device and device->host, and
@@ -29,7 +36,7 @@
 #   OUT_DIR defaults to $OUT (the folder that comes back from the GPU machine), else
 #   results/gpu_check. Exactly three files go there, rewritten after every stage: summary.md,
 #   summary.json and evidence.tar.gz (every stage's log, gpu_tests.xml, train_llama/results.{json,md},
-#   train_llama/timeline/, host_adam.json, link.json); the summary is also the last lines of stdout.
+#   train_llama/timeline/, features/FEATURE.{json,md}, host_adam.json, link.json); the summary is also the last lines of stdout.
 #   GPU_CHECK_STAGES: run only these stages (a rerun of the ones that failed; a fresh machine
 #   rebuilds the kernel in env, so list env too), the plan checked for them alone.
 #   --rehearse: the same stages with the CPU as the device, on the simulated asynchronous
@@ -46,11 +53,14 @@ if [ "${1:-}" = "--rehearse" ]; then REHEARSE=1; shift; fi
 if [ "${1:-}" = "--plan" ]; then PLAN_ONLY=1; shift; fi
 
 # The plan, in order of value: each stage's cap in seconds on the GPU machine (a cold kernel build
-# in env; ten GPU tests, then the same under the sanitizer, which runs every op through Python;
-# the ~1B Llama in four modes, each building its optimizer and pinning ~16 GB; one 32M-element
-# Adam size (and the roofline's build); the link probe, 1 GiB pinned by each method).
-STAGE_ORDER=(env gpu_tests gpu_tests_sanitizer train_llama host_adam link)
-declare -A CAP=([env]=60 [gpu_tests]=90 [gpu_tests_sanitizer]=60 [train_llama]=130 [host_adam]=30 [link]=30)
+# in env; ten GPU tests; the ~1B Llama in four modes, each building its optimizer and pinning
+# ~16 GB; each feature a few steps of a model of 0.1-0.5B parameters and its CPU reference; the
+# sanitizer, which runs every op through Python, on the GPU tests and two features: a first guess
+# with room, its real cost is in the summary; one 32M-element Adam size (and the roofline's
+# build); the link probe, 1 GiB pinned by each method).
+STAGE_ORDER=(env gpu_tests train_llama flow activation_offload tiling compact trainer sanitizer host_adam link)
+declare -A CAP=([env]=55 [gpu_tests]=50 [train_llama]=100 [flow]=30 [activation_offload]=25 [tiling]=20 [compact]=20
+                [trainer]=30 [sanitizer]=35 [host_adam]=25 [link]=20)
 GPU_BUDGET=480  # the whole-script deadline on the GPU machine: 8 minutes
 if [ "$REHEARSE" = 0 ] && [ -n "${GPU_CHECK_BUDGET_S:-}" ]; then GPU_BUDGET=$GPU_CHECK_BUDGET_S; fi
 SELECTED=${GPU_CHECK_STAGES:-} SELECTED_VAR=GPU_CHECK_STAGES
@@ -69,7 +79,8 @@ mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-unset SUPEROFFLOAD_FORCE_REFERENCE  # the kernel that runs is GraceAdam, or the stage fails
+unset SUPEROFFLOAD_FORCE_REFERENCE  # the kernel that runs is GraceAdam, or the stage fails:
+export SUPEROFFLOAD_REQUIRE_KERNEL=1  # host_kernel "auto" (the GPU tests) raises instead of falling back
 PY=python3  # the GPU machine's image has no `python`
 
 if [ "$REHEARSE" = 1 ]; then
@@ -91,6 +102,9 @@ if [ "$REHEARSE" = 1 ]; then
   # the test logic on the simulated device, a few of its tests (the whole file is minutes on a CPU)
   TESTS=(tests/test_gpu.py -k synchronizes)
   LLAMA=(--tiny --steps 2 --warmup 1)
+  FEATURE=(--rehearse)
+  SANITIZED_FEATURES=(activation_offload)  # (the rehearsal has no sanitizer: one feature checks the command;
+                                           # the tests it also runs on CUDA ran in gpu_tests)
   ADAM=(--sizes 1M --reps 2 --warmup 1 --threads 2 --no-targets --only grad)  # grad: no roofline build
   PROBE=(--device cpu --quick)
 else
@@ -99,6 +113,8 @@ else
          --seq 2048 --batch 1 --steps 3 --warmup 1 --dtype bf16
          --host-memory-budget "$HOST_BUDGET")
   ADAM=(--sizes 32M --reps 3 --warmup 1 --threads "$(nproc)" --only adam)
+  FEATURE=()
+  SANITIZED_FEATURES=(flow activation_offload)
   PROBE=()
 fi
 
@@ -114,9 +130,9 @@ if $PY -c "import pytest" 2>/dev/null; then
   # addopts cleared: --strict-markers would reject the timeout marks when pytest-timeout is absent
   PYTEST=($PY -m pytest -o addopts="" -p no:cacheprovider -q -rs -m gpu)
   stage gpu_tests "${CAP[gpu_tests]}" "${PYTEST[@]}" --junitxml="$WORK_DIR/gpu_tests.xml" "${TESTS[@]}"
-  # the engine enters the sanitizer in its worker thread too (device/accelerator.py)
-  stage gpu_tests_sanitizer "${CAP[gpu_tests_sanitizer]}" "${SANITIZER[@]}" "${PYTEST[@]}" "${TESTS[@]}"
 else
+  PYTEST=($PY)
+  TESTS=(tests/test_gpu.py)
   stage gpu_tests "${CAP[gpu_tests]}" $PY tests/test_gpu.py
 fi
 if [ -f "$WORK_DIR/gpu_tests.log" ]; then
@@ -126,6 +142,32 @@ fi
 stage train_llama "${CAP[train_llama]}" $PY benchmarks/train_llama.py "${LLAMA[@]}" --max-grad-norm 1.0,1e3 \
   --host-kernel cpp --timeline-dir "$WORK_DIR/train_llama/timeline" --out "$WORK_DIR/train_llama"
 summarize train_llama/results.md
+
+for feature in flow activation_offload tiling compact trainer; do
+  stage "$feature" "${CAP[$feature]}" $PY benchmarks/gpu_features.py "$feature" "${FEATURE[@]}" --out "$WORK_DIR/features"
+  if [ -f "$WORK_DIR/features/$feature.md" ]; then sed 's/^- /  - /' "$WORK_DIR/features/$feature.md" >> "$summary_md"; fi
+done
+
+# the engine enters the sanitizer in its worker thread too (device/accelerator.py)
+SANITIZED=""
+if [ "$REHEARSE" = 0 ]; then SANITIZED="${PYTEST[*]} ${TESTS[*]} && "; fi
+for feature in "${SANITIZED_FEATURES[@]}"; do
+  SANITIZED+="$PY benchmarks/gpu_features.py $feature ${FEATURE[*]} --out $WORK_DIR/sanitizer && "
+done
+SANITIZED+="true"
+stage sanitizer "${CAP[sanitizer]}" "${SANITIZER[@]}" bash -c "$SANITIZED"
+if selected sanitizer; then
+  cat >> "$summary_md" <<EOF
+  - the sanitizer ran on: $([ "$REHEARSE" = 0 ] && echo "${TESTS[*]} and ")the features ${SANITIZED_FEATURES[*]}$([ "$REHEARSE" = 1 ] && echo " (rehearsal: without it, it needs CUDA; on CUDA also ${TESTS[*]})").
+    It checks the CUDA ops dispatched through torch on the main thread and on the engine's worker
+    thread (which enters its dispatch mode, device/accelerator.py): kernels, copies, event records and
+    waits, stream synchronisations. It does not see the GraceAdam pool (host memory only) or memory
+    the caching allocator hands from one stream to another; and its event handler is not
+    thread-safe, so the two threads' accesses may interleave in its trace: a report is a lead to
+    check, a clean run is not a proof. The simulated device (testing/sim.py) checks the same orders
+    in every CPU test. Its cost: this stage's time against gpu_tests' and the two features' above.
+EOF
+fi
 
 stage host_adam "${CAP[host_adam]}" --missed-rc 2 $PY benchmarks/adam.py "${ADAM[@]}" --json "$WORK_DIR/host_adam.json"
 stage link "${CAP[link]}" $PY -m superoffload_hf.perf.probe "${PROBE[@]}" --json "$WORK_DIR/link.json"

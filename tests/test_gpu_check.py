@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["env", "gpu_tests", "gpu_tests_sanitizer", "train_llama", "host_adam", "link"]
+FEATURES = ["flow", "activation_offload", "tiling", "compact", "trainer"]  # benchmarks/gpu_features.py
+STAGES = ["env", "gpu_tests", "train_llama", *FEATURES, "sanitizer", "host_adam", "link"]
 # (script, its budget variable, its stages in order, its budget): the GPU check plans 8 minutes (a
 # rerun of its failed stages must fit the 15 a machine is lent), the peers' run 9
 SCRIPTS = [("gpu_check.sh", "GPU_CHECK_BUDGET_S", STAGES, 480),
@@ -138,6 +139,16 @@ def test_the_rehearsal_runs_every_stage_brings_back_every_result_and_fails_on_a_
     assert all(r["host_adam"].startswith("host Adam: cpp") for r in results), results[0]["host_adam"]
     assert "host Adam cpp/" in summary_md
     assert (evidence / "train_llama" / "timeline" / "trace.json").is_file()
+    # each feature ran its steps on the simulated device and matched its CPU reference
+    for feature in FEATURES:
+        result = json.loads((evidence / "features" / f"{feature}.json").read_text())
+        assert result["passed"] and result["problems"] == [], result
+        assert result["device"] == "cpu (simulated)" and result["steps_ran"] == result["reference_steps_ran"] == 3
+        assert len(result["losses"]) == 3 and result["host_adam"].startswith("host Adam cpp/")
+        assert re.search(rf"  - {feature}: 3 steps ran on cpu \(simulated\) .* max \|diff\| from the CPU reference "
+                         r".*tokens/s, device idle .* peak device .* \(dry run's state .*: PASSED", summary_md), feature
+    assert json.loads((evidence / "sanitizer" / "activation_offload.json").read_text())["passed"]
+    assert "the sanitizer ran on: the features activation_offload (rehearsal" in summary_md
     assert "passed" in (evidence / "gpu_tests.log").read_text()
     assert (evidence / "gpu_tests.xml").is_file()
     assert json.loads((evidence / "link.json").read_text())
