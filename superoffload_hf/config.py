@@ -185,7 +185,9 @@ class SuperOffloadConfig:
     often several times faster for the tens of GB a large model pins. "auto": where the plan
     pins 1 GB or more, page-lock 64 MiB by each method at construction and keep the one that
     pins faster without losing over 5% of the other's copy bandwidth; else "alloc". Set only while
-    the engine allocates its arenas (the allocator setting is global to the process). The log's
+    the engine allocates its arenas (the allocator setting is global to the process), repeating the
+    user's own allocator settings (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF), and never where
+    the user set `pinned_use_cuda_host_register` or `pinned_num_register_threads` there. The log's
     page-locking line says which method ran, why, and how long it took; nothing to choose on the CPU."""
 
     host_memory_check: bool = True
