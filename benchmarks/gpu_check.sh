@@ -40,7 +40,8 @@
 #   GPU_CHECK_STAGES: run only these stages (a rerun of the ones that failed; a fresh machine
 #   rebuilds the kernel in env, so list env too), the plan checked for them alone.
 #   --rehearse: the same stages with the CPU as the device, on the simulated asynchronous
-#   device (SUPEROFFLOAD_SIM_DEVICE=1), tiny sizes, in about a minute on 2 cores (the test-suite
+#   device (SUPEROFFLOAD_SIM_DEVICE=1), tiny sizes, each stage's python3 forked from one that
+#   imported torch once (benchmarks/_pyfork.py), in about a minute on 2 cores (the test-suite
 #   runs it: tests/test_gpu_check.py); it checks the plan too, but caps no stage below what is
 #   left of its own budget (GPU_CHECK_BUDGET_S, default 240 there): a loaded CPU is no GPU.
 # Exits non-zero when any stage fails, misses a target or runs out of time, listing each; later
@@ -97,6 +98,15 @@ HOST_BUDGET=${GPU_CHECK_HOST_BUDGET:-112GiB}
 MODE=$([ "$REHEARSE" = 1 ] && echo rehearse || echo gpu)
 RUN_NAME=gpu_check
 . benchmarks/_stages.sh
+if [ "$REHEARSE" = 1 ]; then
+  # every stage's python3 forks from one that imported torch, transformers and the package once
+  # (benchmarks/_pyfork.py): seconds of CPU saved per stage on a shared CPU. The GPU run does not.
+  PYFORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_pyfork.XXXXXX")
+  $PY benchmarks/_pyfork.py serve "$PYFORK_DIR/socket" > "$PYFORK_DIR/serve.log" 2>&1 &
+  PYFORK_PID=$!
+  trap 'kill "$PYFORK_PID" 2> /dev/null; rm -rf "$WORK_DIR" "$PYFORK_DIR"' EXIT
+  PY="$PY benchmarks/_pyfork.py run $PYFORK_DIR/socket"
+fi
 
 if [ "$REHEARSE" = 1 ]; then
   # the test logic on the simulated device, a few of its tests (the whole file is minutes on a CPU)
@@ -126,7 +136,7 @@ print(f'torch {torch.__version__}, cuda {torch.version.cuda}, '
 print(kernel.describe(kernel.get_host_adam('cpp')))"
 if [ -f "$WORK_DIR/env.log" ]; then head -n 2 "$WORK_DIR/env.log" | sed 's/^/  /' >> "$summary_md"; fi
 
-if $PY -c "import pytest" 2>/dev/null; then
+if { selected gpu_tests || selected sanitizer; } && $PY -c "import pytest" 2>/dev/null; then
   # addopts cleared: --strict-markers would reject the timeout marks when pytest-timeout is absent
   PYTEST=($PY -m pytest -o addopts="" -p no:cacheprovider -q -rs -m gpu)
   stage gpu_tests "${CAP[gpu_tests]}" "${PYTEST[@]}" --junitxml="$WORK_DIR/gpu_tests.xml" "${TESTS[@]}"
