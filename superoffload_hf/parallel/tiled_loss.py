@@ -88,7 +88,7 @@ class _TiledHeadLoss(torch.autograd.Function):
         ctx.save_for_backward(hidden_flat, weight, bias, labels_flat)
         ctx.chunk_tokens, ctx.ignore_index = chunk_tokens, ignore_index
         total = torch.zeros((), dtype=torch.float32, device=hidden_flat.device)
-        for start, end in _live_chunks(labels_flat, chunk_tokens, ignore_index):
+        for start, end in _chunks(labels_flat.numel(), chunk_tokens):
             logits_fp32 = F.linear(hidden_flat[start:end], weight, bias).float()  # one chunk's logits at a time
             total += F.cross_entropy(logits_fp32, labels_flat[start:end], ignore_index=ignore_index, reduction="sum")
             del logits_fp32
@@ -104,7 +104,7 @@ class _TiledHeadLoss(torch.autograd.Function):
         grad_bias_fp32 = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
         weight_leaf = weight.detach().requires_grad_(need_weight)  # a graph of this chunk only
         bias_leaf = None if bias is None else bias.detach().requires_grad_(need_bias)
-        for start, end in _live_chunks(labels_flat, ctx.chunk_tokens, ctx.ignore_index):
+        for start, end in _chunks(labels_flat.numel(), ctx.chunk_tokens):
             hidden_leaf = hidden_flat[start:end].detach().requires_grad_(need_hidden)
             with torch.enable_grad():  # (the logits are not held: the graph keeps only their log-softmax)
                 loss = F.cross_entropy(F.linear(hidden_leaf, weight_leaf, bias_leaf).float(), labels_flat[start:end],
@@ -124,15 +124,11 @@ class _TiledHeadLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
-def _live_chunks(labels_flat: torch.Tensor, chunk_tokens: int, ignore_index: int):
-    """(start, end) of each chunk that has a label to predict. One host read of the chunks' mask:
-    a device synchronisation on an accelerator, once in forward and once in backward."""
-    n = labels_flat.numel()
-    if n == 0:
-        return []
-    live = (labels_flat != ignore_index)
-    padded = F.pad(live, (0, (-n) % chunk_tokens)).view(-1, chunk_tokens).any(dim=1).tolist()
-    return [(i * chunk_tokens, min(n, (i + 1) * chunk_tokens)) for i, keep in enumerate(padded) if keep]
+def _chunks(n: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """(start, end) of every chunk of `n` tokens. A chunk whose labels are all ignored is computed
+    too (its loss and gradients are zeros): skipping it would need a host read of the labels, a
+    device synchronisation on an accelerator in every forward and backward."""
+    return [(start, min(n, start + chunk_tokens)) for start in range(0, n, chunk_tokens)]
 
 
 # ---- applying it to a transformers causal LM ---------------------------------------------------
