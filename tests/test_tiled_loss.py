@@ -72,7 +72,7 @@ def test_sum_reduction_and_a_scaled_gradient():
 
 def test_chunks_whose_labels_are_all_ignored_give_zero_gradient_rows():
     hidden, weight, _, labels = _inputs(bias=False)
-    labels[0] = -100  # the first sequence's 13 tokens (and the shift's ignored last one): chunks 0-1 of 4 skipped
+    labels[0] = -100  # the first sequence's 13 tokens (and the shift's ignored last one): chunks 0-1 of 4 all ignored
     got = tiled_cross_entropy(hidden, weight, labels, chunk_tokens=4)
     expected = _untiled(hidden, weight, None, labels)
     assert_close(got, expected)

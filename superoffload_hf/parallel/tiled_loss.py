@@ -8,7 +8,8 @@ whose backward recomputes each chunk's logits and takes that chunk's gradients w
 (the same operators as the untiled loss, so each row of the hidden-state gradient is the untiled
 one to rounding; the head's gradient is summed over chunks in fp32 and cast once). Saved for
 backward: the head's input, the head's weight (no copy) and the labels. Chunks with no label to
-predict are skipped (their gradient rows are exactly zero, as untiled).
+predict are computed too (their loss and gradient rows are exactly zero, as untiled): nothing is
+read back to the host, so neither pass synchronises the device.
 
 `apply_tiled_loss(model)` wraps one transformers causal LM's forward (the instance's, not its
 class; and its head's, so that the loss is computed inside a call of the head module, whose hooks,
