@@ -185,14 +185,25 @@ class SuperOffloadConfig:
     often several times faster for the tens of GB a large model pins. "auto": where the plan
     pins 1 GB or more, page-lock 64 MiB by each method at construction and keep the one that
     pins faster without losing over 5% of the other's copy bandwidth; else "alloc". Set only while
-    the engine allocates its arenas (the allocator setting is global to the process). The log's
+    the engine allocates its arenas (the allocator setting is global to the process), repeating the
+    user's own allocator settings (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF), and never where
+    the user set `pinned_use_cuda_host_register` or `pinned_num_register_threads` there. The log's
     page-locking line says which method ran, why, and how long it took; nothing to choose on the CPU."""
 
     host_memory_check: bool = True
     """Before allocating the host buffers (and before a re-plan), compare what the plan needs,
-    per buffer kind, plus the re-plan's transient with the memory this process may use (the
-    cgroup limit less its usage, /proc/meminfo MemAvailable) and refuse with the table and the
-    fixes when it does not fit. false: skip the check (the kernel may then end the process)."""
+    per buffer kind, plus the re-plan's transient with the memory this process may use and refuse
+    with the table, the fixes and the figure used when it does not fit: `host_memory_budget` if
+    set, else the smallest of the cgroup limit less its usage, MemTotal less every process's
+    resident memory, and (under strict overcommit) CommitLimit less Committed_AS; never
+    MemAvailable, which on a VM whose memory grows as it is used starts far below what it can
+    take (engine/host_limit.py). false: skip the check (the kernel may then end the process)."""
+
+    host_memory_budget: Optional[Union[int, str]] = None
+    """The host memory this process may use in all, its resident memory included: bytes, or a
+    string such as "100GB" or "96GiB". Set: the host check compares against it less the process's
+    resident memory, instead of what it reads from the machine (for a host whose limits it cannot
+    read, e.g. a VM that grows its memory on use). null: read the machine."""
 
     host_kernel: str = AUTO
     """Which host Adam implementation to use. "cpp": the JIT-built GraceAdam kernel (error if it
@@ -294,6 +305,8 @@ class SuperOffloadConfig:
         _check_choice("pin_method", self.pin_method, PIN_METHOD_CHOICES)
         if not isinstance(self.host_memory_check, bool):
             raise ConfigError(f"`host_memory_check` is {self.host_memory_check!r}; expected true or false.")
+        if self.host_memory_budget is not None:
+            object.__setattr__(self, "host_memory_budget", _parse_bytes("host_memory_budget", self.host_memory_budget))
         _check_choice("host_kernel", self.host_kernel, HOST_KERNEL_CHOICES)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
         _check_int("sequence_parallel_size", self.sequence_parallel_size, minimum=1)
@@ -395,6 +408,27 @@ def check_sequence_parallel_size(size: Any, world: int) -> None:
 
 
 # ---- validation helpers ----------------------------------------------------------------------
+
+
+BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_bytes(name: str, value) -> int:
+    """A positive byte count: an int, or a number with a unit of BYTE_UNITS ("100GB", "96 GiB")."""
+    if _is_int(value) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().upper()
+        unit = next((u for u in sorted(BYTE_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+        try:
+            number = float(text[:-len(unit)]) if unit else None
+        except ValueError:
+            number = None
+        if number is not None and number > 0:
+            return int(number * BYTE_UNITS[unit])
+    raise ConfigError(f"`{name}` is {value!r}; expected a positive number of bytes or a size with a unit "
+                      f"({', '.join(u.replace('I', 'i') for u in BYTE_UNITS)}), e.g. \"100GB\".")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -180,6 +180,25 @@ def test_the_pinned_pool_is_reused_across_steps():
         assert "activation offload on (on): 4 blocks, prefetch depth 1, 0.012 MB pinned" in offload.describe()
 
 
+@pytest.mark.sim
+def test_the_pinned_pool_counts_the_rounded_blocks_it_holds_and_frees_what_a_longer_sequence_cannot_reuse(sim):
+    """CUDA's pinned allocator (and the simulated one) rounds each block up to a power of two:
+    the pool counts what the allocator holds, not the requests (issue 29 item 9), reuses a block
+    for a slightly longer input, and frees the blocks no longer input fits."""
+    model = _checkpointed()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with apply_activation_offload(model, sim) as offload:
+        for seq, block in ((12, 4096), (16, 4096), (24, 8192)):  # inputs of 3072, 4096, 6144 bytes
+            for step in range(2):
+                (batch,) = micro_batches(step, seq=seq)
+                model(**batch).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            assert offload.pinned_bytes == 3 * block == sim.host_memory.pinned_in_use, (seq, offload.pinned_bytes)
+        assert offload.pool.allocations == 6  # 3 blocks at 4096 (reused at seq 16), 3 at 8192
+    assert not sim.errors, sim.errors
+
+
 # ---- mutation tests ------------------------------------------------------------------------------
 
 
@@ -346,6 +365,10 @@ def test_the_dry_run_line_states_the_inputs_the_pinned_bytes_and_the_decision():
                     "524288 tokens a micro-batch), offloaded 133.144 GB pinned host - auto: on if the device has less "
                     "than 549.756 GB free at the first training forward (they would take over 25% of it)")
     assert dry_run_line(recipe, llama8b, "on", 2, device_is_host=True).endswith(" - not applied, the device is the host")
+    recipe.data.seq_len = 3 * 128 * 1024  # 3.221 GB a block: the pinned allocator takes 4.295 GB
+    assert ("(32 x 3.221 GB at 393216 tokens a micro-batch), offloaded 133.144 GB pinned host, each block rounded up "
+            "to 4.295 GB - on") in dry_run_line(recipe, llama8b, "on", 2, device_is_host=False)
+    recipe.data.seq_len = 512 * 1024
     recipe.training["gradient_checkpointing"] = False
     assert dry_run_line(recipe, llama8b, "on", 2, device_is_host=False).endswith(
         " - refused: it needs `training.gradient_checkpointing: true`")

@@ -110,3 +110,30 @@ def test_every_page_locked_arena_of_the_engine_is_pinned_by_the_chosen_method(mo
 def test_a_pin_method_that_is_not_one_of_the_three_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match=r"`pin_method` is 'cudaHostRegister'; valid choices are \['auto', 'alloc', 'register'\]"):
         SuperOffloadConfig(pin_method="cudaHostRegister")
+
+
+@pytest.mark.parametrize("var", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_switching_the_pinning_method_repeats_the_users_allocator_settings_and_leaves_their_own_choice(
+        monkeypatch, var):
+    """torch resets the allocator settings a parse does not name (issue 29 item 12): every string
+    the engine hands the parser keeps what the user set, and a pinning method the user chose
+    is never changed. On the CPU: the CUDA runtime's call, with the parser recorded."""
+    from superoffload_hf.device.accelerator import AcceleratorRuntime
+    from superoffload_hf.engine.pin_method import PinMethod
+
+    parsed = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", parsed.append, raising=False)
+    for other in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(var, "expandable_segments:True,max_split_size_mb:128")
+    runtime = AcceleratorRuntime(torch.device("cuda", 0))
+    with PinMethod(True, 6, "test").applied(runtime):
+        pass
+    assert parsed == ["expandable_segments:True,max_split_size_mb:128,pinned_use_cuda_host_register:True,"
+                      "pinned_num_register_threads:4",
+                      "expandable_segments:True,max_split_size_mb:128,pinned_use_cuda_host_register:False"]
+    parsed.clear()
+    monkeypatch.setenv(var, "pinned_use_cuda_host_register:True,pinned_num_register_threads:16")
+    with PinMethod(True, 6, "test").applied(runtime):
+        assert not runtime.host_register(False)
+    assert parsed == []

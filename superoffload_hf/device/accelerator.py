@@ -14,6 +14,7 @@ Hazards of the generic API handled here, once:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Iterator, Optional
 
@@ -38,6 +39,34 @@ def _sanitizer_in_this_thread():
     if not getattr(cuda_sanitizer, "enabled", False) or threading.current_thread() is threading.main_thread():
         return contextlib.nullcontext()
     return cuda_sanitizer.dispatch
+
+
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch reads the first one set
+PIN_SETTINGS = ("pinned_use_cuda_host_register", "pinned_num_register_threads")
+
+
+def user_allocator_settings(environ=os.environ) -> dict[str, str]:
+    """The allocator settings the user gave torch in the environment, key -> value, in order."""
+    text = next((environ[v] for v in ALLOC_CONF_VARS if environ.get(v)), "")
+    settings = {}
+    for part in text.split(","):
+        key, sep, value = part.partition(":")
+        if key.strip() and sep:
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def allocator_settings(enabled: bool, threads: int, user: dict[str, str]) -> Optional[str]:
+    """The string for torch's allocator-settings parser that switches cudaHostRegister pinning on
+    or off and keeps every setting the user made: torch resets settings a parse does not name, so
+    the user's are repeated. None where the user chose the pinning method: it is theirs."""
+    if any(key in user for key in PIN_SETTINGS):
+        return None
+    threads = 1 << (max(1, min(int(threads), 128)).bit_length() - 1)  # torch wants a power of two <= 128
+    ours = {"pinned_use_cuda_host_register": "True" if enabled else "False"}
+    if enabled:
+        ours["pinned_num_register_threads"] = str(threads)
+    return ",".join(f"{key}:{value}" for key, value in {**user, **ours}.items())
 
 
 class AcceleratorRuntime:
@@ -73,12 +102,15 @@ class AcceleratorRuntime:
     def host_register(self, enabled: bool, threads: int = 8) -> bool:
         """torch's caching host allocator pins its new blocks by cudaHostRegister (of malloc'ed
         memory, faulted in by `threads` threads) instead of cudaHostAlloc; either way it rounds
-        and caches them alike. CUDA only."""
+        and caches them alike. CUDA only. False where it did nothing: not CUDA, or the user chose
+        the pinning method themselves (allocator_settings)."""
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
         if self.device.type != "cuda" or setter is None:
             return False
-        threads = 1 << (max(1, min(int(threads), 128)).bit_length() - 1)  # torch wants a power of two <= 128
-        setter(f"pinned_use_cuda_host_register:{'True' if enabled else 'False'},pinned_num_register_threads:{threads}")
+        settings = allocator_settings(enabled, threads, user_allocator_settings())
+        if settings is None:
+            return False
+        setter(settings)
         return True
 
     def adopt(self, params) -> None:

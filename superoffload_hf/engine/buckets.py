@@ -313,8 +313,9 @@ class BucketSet:
                     "built (`p.data = ...`, `model.to(dtype)`, `model.half()`, ...). On the CPU with fp32 "
                     "the parameters are views of the master weights, so the optimizer would update a "
                     "tensor the model no longer uses. Move or cast the model before building the "
-                    "optimizer; to set new values, write them in place (`p.data.copy_(...)`, "
-                    "`model.load_state_dict(...)`).")
+                    "optimizer; to set new values, write them in place after `optimizer.synchronize()` "
+                    "(`with torch.no_grad(): p.copy_(...)`, which the race check sees, unlike `p.data.copy_`; "
+                    "or `model.load_state_dict(...)`).")
 
     def host(self) -> Iterator[BucketRuntime]:
         return (rt for rt in self.runtimes if not rt.bucket.device_resident)

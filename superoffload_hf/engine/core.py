@@ -130,10 +130,10 @@ class Engine:
         initial = self.layout.bucket_plan
         # speculation auto with compact state: how many buckets may keep a rollback snapshot
         self.trade = engine_trade(initial, buffers, config.speculation, self.runtime,
-                                  check_memory=config.host_memory_check)
+                                  check_memory=config.host_memory_check, host_budget=config.host_memory_budget)
         if config.host_memory_check:  # before anything is allocated: refuse with the table, not the OOM killer
             check_plan_fits(footprint(initial, buffers, self.trade.snapshot_buckets), self.runtime,
-                            sum(p.numel() for p in self.params))
+                            sum(p.numel() for p in self.params), budget_bytes=config.host_memory_budget)
         self.buckets.install(initial)
         self._reserve_staging()
         cast_params_in_place(self.params, self.layout.device_dtype)
@@ -300,14 +300,14 @@ class Engine:
 
         held = self.footprint()
         self.trade = engine_trade(plan, self.buckets.policy, self.config.speculation, self.runtime,
-                                  check_memory=self.config.host_memory_check,
+                                  check_memory=self.config.host_memory_check, host_budget=self.config.host_memory_budget,
                                   held_bytes=host_bytes(held, self.runtime.host_is_device), **(measured or {}))
         self.live.snapshot_trade = self.trade if self.trade.applies else None
         if plan == self.plan:
             return
         if self.config.host_memory_check:
             check_plan_fits(footprint(plan, self.buckets.policy, self.trade.snapshot_buckets), self.runtime,
-                            sum(p.numel() for p in self.params), held=held)
+                            sum(p.numel() for p in self.params), held=held, budget_bytes=self.config.host_memory_budget)
         self.buckets.replan(plan)
         self.layout = self.layout.with_plan(plan)
         self._reserve_staging()

@@ -15,7 +15,8 @@
   registers state-dict and load-state-dict pre-hooks on every module under it owning
   parameters, so `model.state_dict()` / `save_pretrained` / `load_state_dict()` between step()
   and the next forward read updated weights and write after the copy-backs. Reading or writing
-  `p` directly (an EMA in a custom loop, `p.data.copy_`) needs `optimizer.synchronize()` first.
+  `p` directly (an EMA in a custom loop) needs `optimizer.synchronize()` first, and a write goes
+  `with torch.no_grad(): p.copy_(...)` (a write through `p.data` escapes the race check).
 
 The hooks hold the engine through a weak reference, so they never keep an optimizer alive.
 """

@@ -10,6 +10,8 @@ Which is faster depends on the machine, so "auto" measures both once on a 64 MiB
 copy bandwidth) when the plan pins enough for it to matter. The allocator setting is global to
 the process: it is switched on only while the engine allocates its arenas and set back to torch's
 default after, so the user's own pinned tensors (a DataLoader's `pin_memory`) are not affected.
+torch's parser resets the settings a string does not name: each switch repeats the user's own
+(device/accelerator.py allocator_settings), and a pinning method the user set is left alone.
 """
 
 from __future__ import annotations

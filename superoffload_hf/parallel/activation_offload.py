@@ -106,7 +106,14 @@ def decide_auto(input_bytes: int, free_bytes: int, host_is_device: bool) -> Deci
 
 class PinnedPool:
     """Page-locked host buffers (raw bytes), reused across steps: an input takes the smallest free
-    buffer it fits in. `nbytes`: every buffer allocated, free or held (the host memory it takes)."""
+    buffer it fits in. `nbytes`: every buffer allocated, free or held (the host memory it takes).
+
+    Where the runtime's pinned allocator rounds a request up to a power of two (CUDA's caching
+    host allocator; the simulated device models it), a buffer is allocated at the rounded size
+    and counted at it: that is what the host holds (up to twice the request), and a later,
+    slightly larger input still fits it. Bounded: a request no free buffer fits first frees the
+    free buffers smaller than it (a longer sequence's inputs would never reuse them), so the pool
+    holds at most the buffers of one step's inputs at the largest size seen."""
 
     def __init__(self, runtime):
         self.runtime = runtime
@@ -115,14 +122,23 @@ class PinnedPool:
         self.nbytes = 0
         self.allocations = 0
 
+    def block_bytes(self, nbytes: int) -> int:
+        """What a request of `nbytes` takes in pinned host memory."""
+        if getattr(self.runtime, "pinned_rounds_to_power_of_two", False):
+            return 1 << max(0, (nbytes - 1).bit_length())
+        return nbytes
+
     def take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            self.nbytes -= sum(b.numel() for b in self._free)  # all smaller than nbytes: never reused
+            self._free = []
         self.allocations += 1
-        self.nbytes += nbytes
-        return self.runtime.host_empty(nbytes, torch.uint8, pinned=True)
+        size = self.block_bytes(nbytes)
+        self.nbytes += size
+        return self.runtime.host_empty(size, torch.uint8, pinned=True)
 
     def give_back(self, raw: torch.Tensor) -> None:
         with self._lock:
@@ -435,9 +451,12 @@ def dry_run_line(recipe, model_config, choice: str, element_bytes: int, device_i
     layers, hidden = int(model_config.num_hidden_layers), int(model_config.hidden_size)
     tokens = int(t.get("per_device_train_batch_size", 8)) * int(recipe.data.seq_len)  # (the Trainer's default 8)
     per_block = tokens * hidden * element_bytes
+    # an accelerator's pinned allocator rounds each block up to a power of two (PinnedPool)
+    pinned_block = per_block if device_is_host else 1 << max(0, (per_block - 1).bit_length())
+    rounded = f", each block rounded up to {pinned_block / 1e9:.3f} GB" if pinned_block != per_block else ""
     head = (f"  activation offload {choice}; checkpointed block inputs {layers * per_block / 1e9:.3f} GB on the "
             f"device ({layers} x {per_block / 1e9:.3f} GB at {tokens} tokens a micro-batch), offloaded "
-            f"{(layers - 1) * per_block / 1e9:.3f} GB pinned host")
+            f"{(layers - 1) * pinned_block / 1e9:.3f} GB pinned host{rounded}")
     if choice == "off":
         return head + " - off"
     if device_is_host:

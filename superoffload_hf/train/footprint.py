@@ -78,7 +78,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
         lines.append(flow_choice_lines(model, params, groups, config, tokens,
                                        int(t.get("gradient_accumulation_steps", 1))))
     lines.extend(activation_lines(model_config, recipe, config, accelerator, n))
-    lines.append(host_check_line(rows, not accelerator))
+    lines.append(host_check_line(rows, not accelerator, config.host_memory_budget))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
     return "\n".join(lines)
@@ -324,7 +324,7 @@ def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, nu
             f"{choice.describe().replace(': ', ' - ')}"]
 
 
-def host_check_line(rows, device_is_host: bool) -> str:
+def host_check_line(rows, device_is_host: bool, budget_bytes: Optional[int] = None) -> str:
     """What the engine's check before allocating compares (engine/host_limit.py), against this
     machine's memory now: the host buffers plus the re-plan's transient."""
     from superoffload_hf.engine.host_limit import host_bytes, host_memory_left, replan_transient
@@ -335,7 +335,7 @@ def host_check_line(rows, device_is_host: bool) -> str:
     line = (f"  host memory checked before allocating {need / 1e9:.3f} GB with the re-plan after step 1 "
             f"({transient / 1e9:.3f} GB of it the re-plan's transient)")
     line += f"; {fits_hosts(need)}"
-    left = host_memory_left(None)
+    left = host_memory_left(None, budget_bytes)
     if left is None:
         return line
     fits = "fits" if need <= left[0] else "does NOT fit (the optimizer would refuse it, see host_memory_check)"
