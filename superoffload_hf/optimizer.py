@@ -84,6 +84,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Release the gradients (see the module docstring for set_to_none=False). Called
         between backward and step(), it discards the accumulated gradients, as in torch."""
+        self._check_not_superseded()  # the parameters' gradients are the newer optimizer's
         self._engine.discard_gradients()
         for group in self.param_groups:
             for p in group["params"]:
@@ -235,10 +236,18 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         self._finalizer()
 
     def _open_engine(self) -> Engine:
+        self._check_not_superseded()
         if self._engine.closed:
             raise RuntimeError("This SuperOffload optimizer was closed (close(), or the `with` block ended): its "
                                "state is freed. Build a new optimizer (load a state_dict taken before close()).")
         return self._engine
+
+    def _check_not_superseded(self) -> None:
+        if self._engine.superseded:
+            raise RuntimeError("This SuperOffload optimizer's parameters were taken over by a newer SuperOffload "
+                               "optimizer built on them, which closed this one (hooks removed, state freed). "
+                               "Step the newer optimizer; to keep training with this one's state, load a "
+                               "state_dict taken before the newer one was built into it.")
 
     def __enter__(self):
         return self
