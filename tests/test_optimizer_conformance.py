@@ -361,6 +361,34 @@ def test_optimizer_state_under_compact_state_holds_the_decoded_moments():
                                        msg=f"param {i} {key}")
 
 
+class Mlp(torch.nn.Module):
+    def __init__(self, params):
+        super().__init__()
+        self.w1, self.b1, self.w2, self.b2 = params
+
+
+def test_torch_distributed_checkpoint_reads_and_restores_the_state():
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model, twin = Mlp(make_params()), Mlp(make_params(seed=1))
+    with ours(list(model.parameters()), SUPPORTED[0]) as opt, ours(list(twin.parameters()), SUPPORTED[0]) as resumed:
+        assert get_optimizer_state_dict(model, opt)["state"] == {}
+        train(opt, list(model.parameters()), 2)
+        saved = copy.deepcopy(get_optimizer_state_dict(model, opt))
+        assert set(saved["state"]) == {"w1", "b1", "w2", "b2"}
+        with torch.no_grad():
+            for p, q in zip(twin.parameters(), model.parameters()):
+                p.copy_(q)
+        set_optimizer_state_dict(twin, resumed, saved)
+        train(opt, list(model.parameters()), 2, first=2)
+        train(resumed, list(twin.parameters()), 2, first=2)
+        for a, e in zip(twin.parameters(), model.parameters()):
+            assert torch.equal(a.detach(), e.detach())
+        ours_now, theirs = resumed.state_dict(), opt.state_dict()  # (DCP keeps "state" and "param_groups" only)
+        assert_nested_equal(ours_now["state"], theirs["state"])
+        assert_nested_equal(ours_now["param_groups"], theirs["param_groups"])
+
+
 # ---- construction: torch's errors, the unsupported options, the documented differences ----------
 
 ERRORS = [e for e in ADAMW.optim_error_inputs_func(device="cpu", dtype=torch.float32)]

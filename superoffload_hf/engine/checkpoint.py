@@ -189,6 +189,8 @@ def load_state_dict(engine, groups: list[dict], sd: Any) -> None:
     from superoffload_hf.engine.dp import is_sharded_input
     from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate
 
+    if not is_sharded_input(sd):
+        sd = _state_by_position(sd)
     if engine.dp is not None:  # any saved layout: this rank reads its own ranges
         source = RangeSource.of(sd)
         _check_layout({"state": {}, "param_groups": source.param_groups, "superoffload": {}}, groups)
@@ -223,6 +225,23 @@ def load_state_dict(engine, groups: list[dict], sd: Any) -> None:
                        "(this optimizer's state precision there)", count, "" if count == 1 else "s", saved, ours)
     _load_extras(engine, groups, sd["param_groups"], extra)
     engine.refresh_device_params()
+
+
+def _state_by_position(sd: Any) -> Any:
+    """As torch.optim reads a state dict: a state key names the parameter at its place in the
+    saved param groups' "params" (our indices, or torch.distributed.checkpoint's names)."""
+    if not isinstance(sd, Mapping) or "state" not in sd or "param_groups" not in sd:
+        return sd  # (_check_layout says what is missing)
+    position = {key: i for i, key in enumerate(k for g in sd["param_groups"] for k in g["params"])}
+    if all(position.get(key) == key for key in sd["state"]):
+        return sd
+    state = {}
+    for key, entry in sd["state"].items():
+        if key not in position:
+            raise ValueError(f"The state dict has state for {key!r}, which no saved param group lists in its "
+                             "'params'. Is it from another model?")
+        state[position[key]] = entry
+    return {**sd, "state": state}
 
 
 def _load_extras(engine, groups: list[dict], saved_groups: list, extra: Mapping[str, Any]) -> None:
