@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from superoffload_hf import SuperOffloadAdamW
+from superoffload_hf.integrations.callback import unwrap_optimizer
 from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
 
 from _models import engine_config, one_torch_thread, tiny_batch, tiny_llama  # noqa: F401
@@ -118,4 +119,5 @@ def test_a_second_trainer_on_the_model_of_a_live_first_one_trains(tmp_path):
     logs = [[r["loss"] for r in t.state.log_history if "loss" in r] for t in (second, alone)]
     assert logs[0] == logs[1]
     assert_same_params(model, trained)
-    assert first.optimizer is not None  # the first Trainer is still referenced, its optimizer closed
+    with pytest.raises(RuntimeError, match="taken over by a newer SuperOffload optimizer"):
+        unwrap_optimizer(first.optimizer).step()  # the first Trainer's, still referenced
