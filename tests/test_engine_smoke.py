@@ -533,7 +533,7 @@ def test_state_dict_round_trip_continues_bit_identically(tmp_path):
     resumed = SuperOffloadAdamW(resumed_model.parameters(), lr=LR, config={**BASE, **config})
     resumed.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
     with opt, resumed:
-        assert resumed.counters.as_dict() == opt.counters.as_dict()
+        assert resumed.counters.counts() == opt.counters.counts()  # (the seconds are each process's own)
         for step in range(3, 7):
             a = offload_step(model, opt, step, fixed_clip(step))
             b = offload_step(resumed_model, resumed, step, fixed_clip(step))
