@@ -394,3 +394,68 @@ def test_the_timeline_shows_each_units_fetches_on_the_host_to_device_track(tmp_p
     # step 2: each unit fetched for its forward and again for its backward
     for unit in ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"):
         assert fetches.count(f"fetch {unit}") == 2, (unit, " | ".join(fetches))
+
+
+# ---- reentrant gradient checkpointing (issue 28 item 3) -------------------------------------------
+
+
+class _CheckpointedBlocks(torch.nn.Module):
+    """Blocks called through `torch.utils.checkpoint.checkpoint(block, h)`: the module's hooks run
+    inside the checkpoint (as in transformers before 5.24 and in plain PyTorch models), so the
+    recomputation in backward runs them again. (transformers 5.24 on checkpoints `forward`,
+    leaving the hooks outside.)"""
+
+    def __init__(self, reentrant: bool, width: int = 32, depth: int = 3, vocab: int = 128):
+        super().__init__()
+        self.reentrant = reentrant
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(vocab, width)
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+                torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                torch.nn.Linear(2 * width, width)) for _ in range(depth))
+            self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=self.reentrant)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def _train_checkpointed(weights: str, reentrant: bool, kind: str) -> dict[str, torch.Tensor]:
+    if kind == "torch":
+        model = _CheckpointedBlocks(reentrant)
+        loss_of = lambda batch: model(**batch)  # noqa: E731
+    else:
+        model = tiny_llama(num_layers=3)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        loss_of = lambda batch: model(**batch).loss  # noqa: E731
+    model.train()
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
+                            config=engine_config(device_buckets=0, weights=weights, speculation="on"))
+    with opt:
+        for step in range(3):
+            (batch,) = micro_batches(step)
+            loss_of(batch).backward()
+            opt.step()
+            opt.zero_grad()
+        if weights == "flow":
+            assert f"weights flow: {5 if kind == 'torch' else 6} units" in opt.describe()
+        return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+@pytest.mark.usefixtures("device_mode")
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("kind", ["torch", "hf"])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_flow_with_gradient_checkpointing_of_either_kind_trains_bitwise_like_stationary(reentrant, kind):
+    """Reentrant checkpointing runs the block's forward under no_grad, then recomputes it inside
+    backward with a backward of its own: the unit stays on the device until every gradient of it
+    has left (it went after the first)."""
+    want = _train_checkpointed("stationary", reentrant, kind)
+    got = _train_checkpointed("flow", reentrant, kind)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{name} differs under weight-flow"

@@ -16,7 +16,8 @@ saved tensors are the parameters themselves, so releasing storage (as FSDP does)
 and the refetch refills them; writes go through `p.data`, whose version counter is its own, so
 autograd sees no in-place change. Under gradient checkpointing the recomputed forward runs inside
 backward: it fetches (or finds the unit fetched by the gradient hook) and does not release; the
-unit goes when its gradients have left, so recomputation and backward share one fetch.
+unit goes when its gradients have left, so recomputation and backward share one fetch (reentrant
+checkpointing: the first forward ran under no_grad, so the recomputation is what marks them awaited).
 
 Synchronisations (transfer.FLOW_SYNCS; the mutation tests remove each):
 * `device_waits_fetch`: the compute stream waits for a unit's fetch before its forward/backward.
@@ -212,8 +213,12 @@ class WeightFlow:
         self.prefetch(unit, -1 if backward else 1)
 
     def after_forward(self, unit: _Unit, module, args, output) -> None:
-        if in_backward():
-            return  # recomputed for this backward: released once its gradients have left
+        if in_backward():  # recomputed for this backward: released once its gradients have left
+            if not unit.awaiting and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
+                # reentrant checkpointing: the forward ran under no_grad (nothing awaited), and this
+                # recomputation's own backward computes the gradients, one parameter at a time
+                unit.awaiting = {id(p) for p in unit.params}
+            return
         outputs = [t for t in _tensors(output) if t.requires_grad]
         if torch.is_grad_enabled() and outputs:
             unit.awaiting = {id(p) for p in unit.params}
