@@ -563,7 +563,6 @@ def _read_and_write_released_parameters(rank, world, weights):
         index = names.index("model.layers.0.mlp.up_proj.weight")
         out["released"] = p.untyped_storage().nbytes() == 0
         master = opt.state_dict()["state"][index]["master_param"].clone()
-        out["repr"] = repr(p)[:200]
         out["metadata"] = (tuple(p.shape), str(p.dtype), p.numel(), p.requires_grad, p.grad is None)
         model.to("cpu").float().train()  # no element read: no-ops, as on stationary weights
         out["num_parameters"] = model.num_parameters()
@@ -580,6 +579,7 @@ def _read_and_write_released_parameters(rank, world, weights):
                 out["reads"][what] = ("raised", str(error))
             else:
                 out["reads"][what] = ("value", right)
+        out["repr"] = repr(p)[:200]
         writes = {
             "copy_ under no_grad": lambda p, v: p.copy_(v),
             "data.copy_": lambda p, v: p.data.copy_(v),
