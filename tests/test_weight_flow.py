@@ -512,6 +512,45 @@ def test_loading_only_the_model_under_flow_lands_in_the_weights_training_uses():
             assert torch.equal(got[name], value), name
 
 
+@pytest.mark.usefixtures("device_mode")
+@pytest.mark.parametrize("state", ["fp32", "compact"])
+def test_a_bf16_load_under_flow_changes_the_master_only_where_the_value_changes(state):
+    """bf16 weights flow from the host's bf16 copy (fp32 state: the fp32 master behind it; compact:
+    the master's error bits): a load writes the copy, and the master only where the loaded value
+    differs, so loading the weights a step already holds keeps every master bit."""
+    model = tiny_llama(num_layers=2)
+    name = "model.layers.0.mlp.up_proj.weight"
+    with SuperOffloadAdamW(model.parameters(), lr=LR, model=model, config=engine_config(
+            device_buckets=0, weights="flow", device_dtype="bf16", state_precision=state)) as opt:
+        _steps_of(model, opt, range(2))
+        index = [n for n, _ in model.named_parameters()].index(name)
+        before = {i: {k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
+                  for i, entry in opt.state_dict()["state"].items()}
+        saved = model.state_dict()
+        value = saved[name].clone()
+        assert value.dtype == torch.bfloat16
+        value[::2] = (value[::2].float() + 1).bfloat16()
+        model.load_state_dict({**saved, name: value})
+        assert torch.equal(model.state_dict()[name], value)
+        after = opt.state_dict()["state"]
+        changed = (value != saved[name]).reshape(-1)
+        assert 0 < int(changed.sum()) < changed.numel()
+        for i, entry in before.items():
+            for kind, old in entry.items():
+                new = after[i][kind]
+                if i != index or kind not in ("master_param", "master_bf16", "master_err"):
+                    assert torch.equal(new, old), (i, kind)  # the same values loaded: every bit kept
+                    continue
+                new, old = new.reshape(-1), old.reshape(-1)
+                assert torch.equal(new[~changed], old[~changed]), kind
+                if kind == "master_param":
+                    assert torch.equal(new[changed], value.reshape(-1)[changed].float())
+                elif kind == "master_bf16":
+                    assert torch.equal(new, value.reshape(-1))
+                else:
+                    assert not new[changed].any()
+
+
 def _steps_of(model, opt, which) -> None:
     for step in which:
         (batch,) = micro_batches(step)
