@@ -158,6 +158,7 @@ class _Unit:
         # destination holds them; a tied parameter saved under two names is one tensor)
         self.saved_for = None
         self.saved: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self.holding: Optional[dict] = None  # strongly, until the unit's root has added its entries
 
     def __repr__(self) -> str:
         return f"<unit {self.spec.name}>"
@@ -226,6 +227,8 @@ class WeightFlow:
                         handles.append(owner.register_state_dict_post_hook(
                             _call(ref, "after_state_dict", unit, tuple(name for name, _ in own),
                                   tuple(p for _, p in own))))
+                # (after the owners' hooks: the unit's entries are all in, its copies held by them)
+                handles.append(module.register_state_dict_post_hook(_call(ref, "unit_saved", unit)))
             for p in unit.params:
                 handles.append(p.register_post_accumulate_grad_hook(_call(ref, "gradient_left", unit)))
 
@@ -247,9 +250,11 @@ class WeightFlow:
         """id(param) -> a host tensor holding the unit's weights as training uses them: the host
         copy that flows (the buckets' host jobs waited for; a bucket stepped speculatively before
         step() is rolled back first, as a fetch does), or under data parallelism its gather."""
-        if destination is not None and unit.saved_for is not None and unit.saved_for() is destination \
-                and all(id(p) in unit.saved for p in unit.params):
-            return {id(p): unit.saved[id(p)] for p in unit.params}
+        if destination is not None and unit.saved_for is not None and unit.saved_for() is destination:
+            if unit.holding is not None:
+                return unit.holding
+            if all(id(p) in unit.saved for p in unit.params):
+                return {id(p): unit.saved[id(p)] for p in unit.params}
         if self.gathered is not None:
             values = {id(p): self.gathered[id(p)] for p in unit.params}
         elif self.gathered_elsewhere:
@@ -266,7 +271,11 @@ class WeightFlow:
         if destination is not None:
             unit.saved_for = weakref.ref(destination)
             unit.saved = weakref.WeakValueDictionary(values)
+            unit.holding = values
         return values
+
+    def unit_saved(self, unit: _Unit, *args) -> None:
+        unit.holding = None
 
     def _host_copies_of_source(self, unit: _Unit) -> dict[int, torch.Tensor]:
         self.waiter.wait_for_params(unit.params)
@@ -321,6 +330,8 @@ class WeightFlow:
 
     def forget_gathered(self) -> None:
         self.gathered, self.gathered_elsewhere = None, False
+        for unit in self.units:
+            unit.holding = None
 
     def before_load(self, unit: _Unit, *args) -> None:
         if unit.resident and not in_backward():
