@@ -575,6 +575,8 @@ _READS = {
     "data.clone()": lambda p: p.data.clone(),
     "cpu().numpy()": lambda p: p.detach().cpu().numpy().copy(),
     "torch.equal": lambda p: torch.equal(p, torch.zeros_like(p)),
+    "torch.stack([p])": lambda p: torch.stack([p])[0],
+    "_foreach_add([p])": lambda p: torch._foreach_add([p], 0.0)[0],  # (an EMA's foreach ops)
 }
 
 

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 DEFAULT_DEPTH = 1  # units fetched ahead of the one running
 
@@ -676,10 +677,13 @@ def _released_info(t) -> Optional[tuple]:
 
 def _released_torch_function(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
-    info = _released_info(args[0]) if args else None
-    if func in _METADATA or not any(_released_info(t) for t in (*args, *kwargs.values())):
+    # (every tensor of the call: `torch.stack([p])` and the `_foreach_` ops take lists)
+    released = None if func in _METADATA else next(
+        (info for info in map(_released_info, tree_leaves((args, kwargs))) if info is not None), None)
+    if released is None:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+    info = _released_info(args[0]) if args else None
     T = torch.Tensor
     if info is not None:
         flow_ref, unit, param = info
@@ -702,7 +706,6 @@ def _released_torch_function(cls, func, types, args=(), kwargs=None):
             return args[0]
         if func in (T.__repr__, T.__format__, T.__str__):
             return f"<{_describe(param, unit)}, released by weight-flow: see model.state_dict()>"
-    released = next(_released_info(t) for t in (*args, *kwargs.values()) if _released_info(t))
     raise RuntimeError(_released_message(released, getattr(func, "__name__", str(func))))
 
 
