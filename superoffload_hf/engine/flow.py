@@ -645,7 +645,7 @@ def _metadata_functions() -> frozenset:
     setters = ("grad", "_grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
     methods = ("size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",
                "is_floating_point", "is_complex", "is_signed", "is_inference", "requires_grad_", "retain_grad",
-               "register_hook", "register_post_accumulate_grad_hook", "get_device", "data_ptr", "untyped_storage",
+               "register_hook", "register_post_accumulate_grad_hook", "get_device", "untyped_storage",
                "_typed_storage", "is_pinned", "is_shared", "_is_view", "__len__", "__hash__", "_is_zerotensor",
                "_has_symbolic_sizes_strides", "dim_order")
     found = set()
