@@ -641,8 +641,8 @@ def _read_and_write_released_parameters(rank, world, weights):
                                        torch.equal(opt.state_dict()["state"][index]["master_param"], before))
             else:
                 landed = opt.state_dict()["state"][index]["master_param"]
-                out["writes"][what] = ("landed", torch.equal(landed, value if what != "detach().mul_" else before * 0.5),
-                                       step(1 + k))
+                expected = value if what != "detach().mul_" else before * 0.5
+                out["writes"][what] = ("landed", torch.equal(landed, expected), step(1 + k))
     return out
 
 
