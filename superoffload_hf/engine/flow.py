@@ -368,7 +368,8 @@ class WeightFlow:
     def before_forward(self, unit: _Unit, module, args) -> None:
         backward = in_backward()  # a recomputation under gradient checkpointing
         if not backward:
-            self.forget_gathered()
+            if self.gathered is not None or self.gathered_elsewhere:
+                self.forget_gathered()
             if unit not in self.order:
                 self.order.append(unit)
         self.ensure(unit)
