@@ -253,12 +253,13 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         self._engine.synchronize()
 
     def fetch_weights(self) -> None:
-        """Weight-flow (config `weights`): every unit's weights onto the device now, where they
-        stay until their next use releases them (or step()); nothing when they are stationary.
-        Under data parallelism a fetch is an all-gather: every rank calls this together, so that
-        `model.state_dict()` on one rank (saving from rank 0) then fetches nothing."""
+        """Weight-flow (config `weights`), before saving from rank 0 alone: under data
+        parallelism every rank calls this together; the flowing weights are gathered (unit by
+        unit, onto rank 0's host), so that rank 0's `model.state_dict()` then needs no other
+        rank (the other ranks' state_dict() refuses until the next forward or step). In one
+        process, or with stationary weights, nothing to do: the state dict reads the host copies."""
         if self._engine.flow is not None and not self._engine.closed:  # (closed: the weights are back)
-            self._engine.flow.fetch_all()
+            self._engine.flow.prepare_state_dict()
 
     def write_timeline(self) -> dict:
         """Write the step timeline now, if the config asks for one (`timeline_dir`): trace.json

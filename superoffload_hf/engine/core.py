@@ -183,6 +183,7 @@ class Engine:
                 self.dp.flows = self.flow.flows
                 self.flow.gather = weak_method(self.dp.gather_for_flow)
                 self.flow.all_ranks_true = collectives.all_ranks_true
+                self.flow.rank = collectives.topology.rank  # rank 0 keeps what fetch_weights() gathers
         self.handles: list = []
         self.unhooked: list = []
         # The parts get the collaborators they use, never the engine: no reference cycle, so a
@@ -205,7 +206,7 @@ class Engine:
         self.unhooked.extend(register_param_hooks(self.params, self.collector, self.buckets.index_of, self.handles))
         register_forward_wait(self, self.reads, self.handles)
         if self.flow is not None:  # after the engine's gradient hooks: a unit goes once its gradients have left
-            self.flow.register(dict(find_units(model)), self.handles)
+            self.flow.register(dict(find_units(model)), self.handles, model)
         claim(self.params, self)
         logger.info(self.summary())
 

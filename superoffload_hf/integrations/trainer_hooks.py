@@ -186,11 +186,11 @@ class SuperOffloadHooks:
         logger.info("superoffload: %s", line)
 
     def save_model(self, original, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """Weight-flow: every unit's weights onto the device first (`fetch_weights`). The Trainer
-        runs `save_model` on every rank (`_save_checkpoint` calls it; the user's script calls it
-        everywhere) but reads the weights in `_save` on the main process only: under data
-        parallelism a fetch is an all-gather every rank joins, so it happens here, on every rank,
-        or rank 0's `state_dict()` would wait for the others forever."""
+        """Weight-flow: `fetch_weights` first. The Trainer runs `save_model` on every rank
+        (`_save_checkpoint` calls it; the user's script calls it everywhere) but reads the weights
+        in `_save` on the main process only: under data parallelism the flowing weights are
+        gathered (an all-gather every rank joins) here, on every rank, onto rank 0's host, or rank
+        0's `state_dict()` would wait for the others forever."""
         optimizer = unwrap_optimizer(self.trainer.optimizer)
         if optimizer is not None:  # None: save_model before train() built it (nothing flows yet)
             optimizer.fetch_weights()
