@@ -247,6 +247,17 @@ def test_train_help_lists_the_recipe_sections_and_keys(capsys):
 
 
 
+def test_train_help_points_to_docs_that_exist_and_explains_the_timeline(capsys):
+    assert main(["train", "--help"]) == 0
+    printed = capsys.readouterr().out
+    assert "docs/config.md" in printed and "Config fields" not in printed, printed
+    for doc in re.findall(r"docs/[\w.-]+\.md", printed):
+        assert (REPO / doc).is_file(), doc
+    explained = " ".join(printed[printed.index("`--timeline DIR`"):].split())
+    assert explained.startswith("`--timeline DIR` (= `--superoffload.timeline_dir DIR`) writes what each stream "
+                                "did in steps `superoffload.timeline_steps` [2, 3] to DIR: trace.json"), explained
+
+
 def test_no_arguments_prints_usage_and_fails(capsys):
     assert main([]) == 2
     assert "usage: superoffload train RECIPE.yaml" in capsys.readouterr().err
