@@ -655,6 +655,7 @@ def validate_training(values: Any) -> dict:
                 "section; move the settings there (or set `superoffload: false`)."
             )
     fields_by_name = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+    values = checkpointing_keys(values, fields_by_name)
     check_keys("training", values, list(fields_by_name))
     if not values.get("output_dir"):
         raise RecipeError("Missing key `training.output_dir`: where checkpoints are saved, e.g. `output_dir: out/tiny`.")
@@ -666,6 +667,29 @@ def validate_training(values: Any) -> dict:
     for key, value in checked.items():
         _check_training_range(key, value)
     return checked
+
+
+# (new name, old name): transformers 5.24 renamed gradient checkpointing and warns on the old name;
+# before 5.24 the old name is the only one.
+CHECKPOINTING_KEYS = (("activation_checkpointing", "gradient_checkpointing"),
+                      ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))
+
+
+def checkpointing_keys(values: Mapping[str, Any], fields: Any) -> dict:
+    """`values` with its checkpointing keys under the name the installed TrainingArguments reads
+    without a deprecation warning: a recipe may use either name on every supported version."""
+    renamed = {}
+    for new, old in CHECKPOINTING_KEYS:
+        if new in values and old in values:
+            raise RecipeError(f"`training.{new}` and `training.{old}` are one setting (the second is its old "
+                              f"name); keep `training.{new}`.")
+        renamed[new if new not in fields else old] = new if new in fields else old
+    return {renamed.get(key, key): value for key, value in values.items()}
+
+
+def checkpointing_on(training: Mapping[str, Any]) -> bool:
+    """Whether a validated `training:` section turns gradient (activation) checkpointing on."""
+    return bool(training.get("activation_checkpointing") or training.get("gradient_checkpointing"))
 
 
 # key -> (test, what is expected): values TrainingArguments accepts but training fails on later.
