@@ -27,7 +27,7 @@ def test_install_says_to_clone_cd_and_use_a_virtual_environment_and_which_torch_
 
 def test_the_first_kernel_build_time_is_stated_for_a_quiet_and_a_busy_machine():
     assert "about a minute (plus the kernel's first build, 40-90 s: see\n\"Install\")" in README
-    assert "~40 s on 2 quiet cores, 84 s measured on 2 busy ones" in " ".join(section("Install").split())
+    assert "~40 s on 2 quiet cores, 84-107 s on 2 busy ones" in " ".join(section("Install").split())
 
 
 def test_two_commands_from_a_fresh_clone_and_ci_runs_the_readmes_test_command():
