@@ -53,7 +53,10 @@ commands:
            an output_dir that holds another run's checkpoints is refused unless it resumes
            (`--training.resume_from_checkpoint true`) or `--overwrite_output_dir` removes them;
            `--sequence_parallel_size N` (= `--superoffload.sequence_parallel_size N`) splits each
-           sequence over N ranks (docs/sequence-parallel.md): start a multiple of N processes
+           sequence over N ranks (docs/sequence-parallel.md): start a multiple of N processes;
+           `--timeline DIR` (= `--superoffload.timeline_dir DIR`) writes what each stream did in
+           steps `superoffload.timeline_steps` [2, 3] to DIR: trace.json (open it in
+           https://ui.perfetto.dev) and, with matplotlib, timeline.png (docs/measure.md)
            RECIPE is a YAML file or the name of a shipped recipe (`superoffload train tiny_llama_cpu`)
   launch   `accelerate launch` with a `superoffload:` block in the accelerate config
   recipes  list the shipped recipes
@@ -352,7 +355,7 @@ def recipe_keys_help() -> str:
                          for f in dataclasses.fields(cls) if f.init)
 
     return "\n".join([
-        "recipe sections and keys (override any with --section.key value; README \"Config fields\"):",
+        "recipe sections and keys (override any with --section.key value; every key: docs/config.md):",
         f"  model:         {keys(ModelSpec)}   (exactly one of config / name_or_path)",
         f"  tokenizer:     {keys(TokenizerSpec)}",
         f"  data:          {keys(DataSpec)}   (exactly one of shipped_corpus / name / files)",

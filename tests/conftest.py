@@ -15,6 +15,13 @@ from superoffload_hf.host import kernel
 ARCH_ISAS = {"x86_64": ["scalar", "avx2", "avx512"], "aarch64": ["scalar", "neon", "sve"]}
 
 
+@pytest.fixture(autouse=True)
+def scratch_cwd(tmp_path_factory, monkeypatch):
+    """Every test starts in an empty directory of its own: what the checkout holds (the main job's
+    out/tiny_llama_cpu, a user's recipes) never changes a result, and no test writes into it."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="session")
 def grace_adam_extension():
     """The compiled GraceAdam module (cached across runs); skips the test when it cannot be built."""

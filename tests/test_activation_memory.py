@@ -3,11 +3,15 @@ the peak of a real tiny Llama's forward + backward on the CPU (testing/alloc_pea
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from superoffload_hf.perf.activation_memory import DecoderShape, estimate_activations
 from superoffload_hf.testing.alloc_peak import AllocationPeak
+
+REPO = Path(__file__).resolve().parents[1]
 
 # h 64, i 176, 8 heads of 8, 2 kv heads, 4 layers, vocab 512
 SMALL = DecoderShape(hidden=64, intermediate=176, heads=8, kv_heads=2, head_dim=8, layers=4, vocab=512)
@@ -72,7 +76,7 @@ def test_without_checkpointing_every_block_is_live():
 def test_llama_8b_at_512k_tokens_matches_the_issue_figures():
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained("recipes/models/llama-3.1-8b")
+    config = AutoConfig.from_pretrained(REPO / "recipes" / "models" / "llama-3.1-8b")
     t = estimate_activations(config, 1, 512 * 1024, 2)
     assert t.checkpointed_inputs == 32 * 512 * 1024 * 4096 * 2  # 4 GiB per block, 128 GiB in all
     assert 512 * 1024 * 128256 * 4 // 10**9 == 268  # the issue's "268 GB" of fp32 logits

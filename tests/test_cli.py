@@ -250,6 +250,17 @@ def test_train_help_lists_the_recipe_sections_and_keys(capsys):
 
 
 
+def test_train_help_points_to_docs_that_exist_and_explains_the_timeline(capsys):
+    assert main(["train", "--help"]) == 0
+    printed = capsys.readouterr().out
+    assert "docs/config.md" in printed and "Config fields" not in printed, printed
+    for doc in re.findall(r"docs/[\w.-]+\.md", printed):
+        assert (REPO / doc).is_file(), doc
+    explained = " ".join(printed[printed.index("`--timeline DIR`"):].split())
+    assert explained.startswith("`--timeline DIR` (= `--superoffload.timeline_dir DIR`) writes what each stream "
+                                "did in steps `superoffload.timeline_steps` [2, 3] to DIR: trace.json"), explained
+
+
 def test_no_arguments_prints_usage_and_fails(capsys):
     assert main([]) == 2
     assert "usage: superoffload train RECIPE.yaml" in capsys.readouterr().err
@@ -484,7 +495,7 @@ def test_the_cli_sets_how_openmp_waits_before_torch_loads_passive_or_a_short_spi
             "assert os.environ['OMP_WAIT_POLICY'] == 'ACTIVE'  # a user's choice stays\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -44,6 +44,17 @@ def test_recipes_lists_every_shipped_recipe_with_what_it_trains(capsys):
     assert "tiny_llama_cpu        A tiny Llama that trains on a 2-core CPU in about a minute" in printed, printed
 
 
+def test_recipes_describes_each_recipe_in_a_whole_sentence(capsys):
+    assert main(["recipes"]) == 0
+    printed = capsys.readouterr().out
+    for line in ("  llama-13b             A 13B Llama-style model (Llama-2-13B) on one GPU with SuperOffload.\n",
+                 "  llama3.1-8b           Llama-3.1-8B, continued pretraining on one GPU with SuperOffload.\n",
+                 "  tiny_llama_cpu        A tiny Llama that trains on a 2-core CPU in about a minute, with no network.\n",
+                 "  tiny_llama_cpu_stock  The tiny recipe with the stock optimizer (torch AdamW, clip_grad_norm_ on "
+                 "the model): the baseline to compare loss curves and speed with.\n"):
+        assert line in printed, printed
+
+
 def test_an_unknown_recipe_name_points_to_the_list(capsys):
     assert main(["train", "tiny_llama_gpu", "--dry-run"]) == 2
     err = capsys.readouterr().err

@@ -183,7 +183,7 @@ def test_the_first_build_says_that_it_builds_and_where_it_caches(failing_compile
     with pytest.warns(RuntimeWarning):
         kernel.get_host_adam("auto")
     err = capfd.readouterr().err
-    assert "[superoffload] building the GraceAdam host Adam kernel (first use; about 40 s on 2 cores) in " in err
+    assert "[superoffload] building the GraceAdam host Adam kernel (first use; ~40 s on 2 quiet cores, longer on busy ones) in " in err
     assert f"{kernel.cache_root()}" in err and "cached there for later runs" in err
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,8 +25,34 @@ def test_install_says_to_clone_cd_and_use_a_virtual_environment_and_which_torch_
     assert "pip install ." in install or "`pip install .`" in install
 
 
-def test_the_first_run_build_time_is_next_to_about_a_minute():
-    assert "about a minute (plus ~40 s the very first time, to build the\nhost Adam kernel)" in README
+def test_the_first_kernel_build_time_is_stated_for_a_quiet_and_a_busy_machine():
+    assert "about a minute (plus the kernel's first build, 40-90 s: see\n\"Install\")" in README
+    assert "~40 s on 2 quiet cores, 84-107 s on 2 busy ones" in " ".join(section("Install").split())
+
+
+def test_two_commands_from_a_fresh_clone_and_ci_runs_the_readmes_test_command():
+    """`./dev train` sets up and runs the main job, `./dev test` sets up and runs the tests; .ci/run
+    runs exactly the Tests section's command."""
+    quick = blocks("bash")[0].splitlines()
+    assert quick[1:] == ["./dev train     # first use sets up .venv (torch + this package), then runs the main job below",
+                         "./dev test      # the same set-up, then the tests (what .ci/run runs)"], quick
+    test_command = shlex.split(section("Tests").split("```bash\n")[1].split("```")[0], comments=True)
+    assert test_command == ["./dev", "test"]
+    ci = [shlex.split(line, comments=True) for line in (REPO / ".ci" / "run").read_text().replace("\\\n", " ").splitlines()]
+    assert test_command in ci, ci
+    dev = (REPO / "dev").read_text()
+    assert os.access(REPO / "dev", os.X_OK) and dev.startswith("#!/bin/sh\n")
+    assert "set -- recipes/tiny_llama_cpu.yaml" in dev  # the main job, as "The main job" shows it
+    assert shown_commands("superoffload")[0] == ["train", "recipes/tiny_llama_cpu.yaml"]
+
+
+def test_the_oldest_ci_pass_pins_the_lower_bounds_of_pyproject():
+    import tomllib
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    lower = {d.split(">=")[0]: d.split(">=")[1].split(",")[0] for d in dependencies if d.startswith(("transformers", "accelerate"))}
+    pins = re.search(r'DEV_PINS="([^"]+)"', (REPO / ".ci" / "run").read_text()).group(1).split()
+    assert sorted(pins) == sorted(f"{name}=={version}.0" for name, version in lower.items()), (pins, lower)
 
 
 def test_readme_and_tiny_recipe_quote_the_same_measurements():

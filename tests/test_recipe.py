@@ -11,10 +11,12 @@ from superoffload_hf.train.recipe import (
     Recipe,
     RecipeError,
     apply_overrides,
+    checkpointing_on,
     load_recipe,
     merge_recipes,
     parse_overrides,
     parse_yaml,
+    read_recipe_yaml,
     recipe_from_dict,
 )
 
@@ -69,7 +71,8 @@ def test_a_dict_training_value_validates_after_hf_argument_parser_rewrote_the_fi
         HfArgumentParser(TrainingArguments)
         assert {f.name: f.type for f in dataclasses.fields(TrainingArguments)}["gradient_checkpointing_kwargs"] is str
         recipe = recipe_from_dict(minimal_recipe(training={"gradient_checkpointing_kwargs": {"use_reentrant": False}}))
-        assert recipe.training["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+        installed = "activation_checkpointing_kwargs" if "activation_checkpointing_kwargs" in types else "gradient_checkpointing_kwargs"
+        assert recipe.training[installed] == {"use_reentrant": False}  # (the name transformers reads: checkpointing_keys)
     finally:
         for f in dataclasses.fields(TrainingArguments):
             f.type = types[f.name]
@@ -387,3 +390,48 @@ def test_state_precision_travels_in_the_superoffload_section_and_needs_bf16():
     with pytest.raises(RecipeError, match=r"In the `superoffload:` section: `state_precision` is 'compact' but "
                                           r"`device_dtype` is 'fp32'.*`device_dtype: bf16`"):
         recipe_from_dict(minimal_recipe(superoffload={"state_precision": "compact", "device_dtype": "fp32"}))
+
+
+# ---- gradient (activation) checkpointing: one recipe key for transformers 5.17 to 5.25 ---------------
+
+
+def checkpointing_arguments(training: dict, tmp_path) -> "transformers.TrainingArguments":
+    """TrainingArguments from a validated `training:` section's checkpointing keys, with any
+    deprecation warning an error."""
+    import warnings
+
+    import transformers
+
+    keys = {k: v for k, v in training.items() if "checkpointing" in k}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        return transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **keys)
+
+
+@pytest.mark.parametrize("name", ["llama3.2-1b", "llama3.1-8b", "llama-13b"])
+def test_the_shipped_recipes_turn_checkpointing_on_without_a_deprecation_warning(name, tmp_path):
+    """transformers 5.24 renamed gradient_checkpointing* to activation_checkpointing* and warns on
+    the old name; 5.17 knows only the old one. .ci/run runs this on both."""
+    raw = read_recipe_yaml(REPO / "recipes" / f"{name}.yaml")["training"]
+    assert raw["activation_checkpointing"] is True, raw  # the current name, in the file
+    args = checkpointing_arguments(load_recipe(REPO / "recipes" / f"{name}.yaml").training, tmp_path)
+    assert args.gradient_checkpointing is True  # 5.24+ mirrors the new name here
+    assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+
+
+@pytest.mark.parametrize("keys", [
+    {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": False}},
+    {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}},
+])
+def test_either_checkpointing_name_reaches_the_installed_transformers_without_a_warning(keys, tmp_path):
+    recipe = recipe_from_dict(minimal_recipe(training=keys))
+    assert checkpointing_on(recipe.training)
+    args = checkpointing_arguments(recipe.training, tmp_path)
+    assert args.gradient_checkpointing is True and args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+
+
+def test_both_checkpointing_names_at_once_are_refused():
+    with pytest.raises(RecipeError, match="`training.activation_checkpointing` and `training.gradient_checkpointing` "
+                                          "are one setting"):
+        recipe_from_dict(minimal_recipe(training={"activation_checkpointing": True, "gradient_checkpointing": True}))

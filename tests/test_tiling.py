@@ -3,6 +3,8 @@ Trainer run with the tiled loss and MLP on equals the same run with them off."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -12,6 +14,8 @@ from superoffload_hf.parallel.tiled_loss import is_tiled_loss
 from superoffload_hf.parallel.tiled_mlp import is_tiled_mlp
 from superoffload_hf.parallel.tiling import choose_tiling, prepare_tiling, untiled_terms
 from tests._models import tiny_batch, tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_config_switches_are_validated_naming_the_value():
@@ -33,7 +37,7 @@ def test_auto_is_off_on_the_cpu_device_and_on_as_configured():
 def test_auto_on_an_accelerator_tiles_a_term_above_an_eighth_of_the_free_memory():
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained("recipes/models/llama-3.1-8b")
+    config = AutoConfig.from_pretrained(REPO / "recipes" / "models" / "llama-3.1-8b")
     logits, mlp = untiled_terms(config, 1, 16384, 2)
     # 12 bytes a logit, less what the tiled loss keeps: one token's logits, the head's gradients
     assert logits == 16384 * 128256 * 12 - (128256 * 12 + 128256 * 4096 * (4 + 2))

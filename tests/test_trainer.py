@@ -29,6 +29,7 @@ from superoffload_hf.integrations.resume import ResumeError
 from superoffload_hf.integrations.callback import LOG_PREFIX, SuperOffloadCallback, unwrap_optimizer
 from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
 from superoffload_hf.integrations.trainer_hooks import check_hook_points
+from superoffload_hf.optimizer import SuperOffloadAdamW
 
 from _checkpoints import write_checkpoint
 from _models import tiny_batch, tiny_llama
@@ -115,6 +116,34 @@ def assert_same_training(stock: FinishedRun, offload: Trainer) -> None:
     state = offload.model.state_dict()  # the documented read (weight-flow: host copies of the flowing weights)
     for (name, expected), (actual_name, _) in zip(stock.params, offload.model.named_parameters()):
         torch.testing.assert_close(state[actual_name].detach(), expected, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def per_mesh_groups(model: torch.nn.Module) -> list[dict]:
+    """Four param groups, as transformers >= 5.21's Trainer builds them for parameters on two device
+    meshes: decay and no-decay, each split per mesh (here: the embeddings and block 0, and the rest)."""
+    groups = {}
+    for name, p in model.named_parameters():
+        no_decay = "norm" in name or name.endswith(".bias")
+        mesh = name.startswith(("model.embed_tokens.", "model.layers.0."))
+        groups.setdefault((no_decay, mesh), {"params": [], "weight_decay": 0.0 if no_decay else 0.1})["params"].append(p)
+    return list(groups.values())
+
+
+def test_a_user_optimizer_with_more_than_two_param_groups_trains_to_the_stock_numbers(tmp_path):
+    stock_model = tiny_llama(num_layers=2)
+    stock = Trainer(model=stock_model, args=make_args(tmp_path, "stock4", superoffload=False, max_grad_norm=LATE),
+                    train_dataset=TinyDataset(), optimizers=(torch.optim.AdamW(per_mesh_groups(stock_model), lr=1e-3), None))
+    stock.train()
+    model = tiny_llama(num_layers=2)
+    groups = per_mesh_groups(model)
+    assert len(groups) == 4, [len(g["params"]) for g in groups]
+    optimizer = SuperOffloadAdamW(groups, lr=1e-3, max_grad_norm=LATE, config={**SPECULATE, "device_dtype": "fp32"},
+                                  model=model)
+    offload = Trainer(model=model, args=make_args(tmp_path, "offload4", max_grad_norm=LATE),
+                      train_dataset=TinyDataset(), optimizers=(optimizer, None))
+    offload.train()
+    assert [g["weight_decay"] for g in unwrap_optimizer(offload.optimizer).param_groups] == [g["weight_decay"] for g in groups]
+    assert_same_training(FinishedRun(stock), offload)
 
 
 # ---- training matches the stock Trainer ----------------------------------------------------------

@@ -439,8 +439,9 @@ def _build(name: str, source_dir: Path, build_dir: Path):
     # We hold the flock, so no other process is building here: a `lock` baton file is a leftover
     # of a killed build, and torch would wait on it forever.
     (build_dir / "lock").unlink(missing_ok=True)
-    # The build is silent and takes ~40 s on 2 cores: say what is happening, once per cache.
-    print(f"[superoffload] building the GraceAdam host Adam kernel (first use; about 40 s on 2 cores) in "
+    # The build is silent and takes 40-90 s on 2 cores: say what is happening, once per cache.
+    print(f"[superoffload] building the GraceAdam host Adam kernel (first use; ~40 s on 2 quiet cores, "
+          f"longer on busy ones) in "
           f"{build_dir}; it is cached there for later runs ({CACHE_DIR_ENV} moves the cache).",
           file=sys.stderr, flush=True)
     started = time.perf_counter()

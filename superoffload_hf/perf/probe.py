@@ -292,9 +292,13 @@ def build_recipe_model(recipe, device: torch.device):
 
 def measure_workload(recipe, runtime, trials: int = 3) -> Workload:
     model = build_recipe_model(recipe, runtime.device)
-    if recipe.training.get("gradient_checkpointing"):
-        model.gradient_checkpointing_enable(  # backward recomputes the forward, as in training
-            gradient_checkpointing_kwargs=recipe.training.get("gradient_checkpointing_kwargs"))
+    t = recipe.training
+    if t.get("activation_checkpointing") or t.get("gradient_checkpointing"):  # the recipe names it either way
+        kwargs = t.get("activation_checkpointing_kwargs") or t.get("gradient_checkpointing_kwargs")
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24; the old name warns there
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     batch = int(recipe.training.get("per_device_train_batch_size", 8))
     accumulation = int(recipe.training.get("gradient_accumulation_steps", 1))
@@ -438,7 +442,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"superoffload probe: error: the recipe's model does not fit on the device for a plain forward "
               f"and backward of one micro-batch ({str(exc).splitlines()[0]}); lower "
               "`training.per_device_train_batch_size` or `data.seq_len` in the recipe, or turn on "
-              "`training.gradient_checkpointing`.", file=sys.stderr)
+              "`training.activation_checkpointing`.", file=sys.stderr)
         return 2
     print(report.format())
     if args.json:

@@ -9,6 +9,7 @@ models, so that `--dry-run` sizes them offline: `shipped_model_dir`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -59,13 +60,17 @@ def shipped_model_dir(name_or_path: str) -> Optional[Path]:
 
 
 def describe(path: Path) -> str:
-    """The first comment line of a recipe file (what it trains)."""
+    """The first sentence of a recipe file's opening comment (what it trains), whole even where
+    it runs over several comment lines; an indented comment line (a command) ends it."""
+    words = []
     for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-        if line.strip():
+        text = line[1:] if line.startswith("#") else None
+        if text is None or not text.strip() or text.startswith("   "):
             break
-    return ""
+        words.append(text.strip())
+    paragraph = " ".join(words)
+    end = re.search(r"\.(\s|$)|:$", paragraph)  # a colon ends it where a command follows
+    return paragraph[:end.start()] + "." if end else paragraph
 
 
 def recipes_listing() -> str:

@@ -14,7 +14,7 @@ import dataclasses
 
 from typing import Any, Optional
 
-from superoffload_hf.train.recipe import Recipe
+from superoffload_hf.train.recipe import Recipe, checkpointing_on
 
 
 def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1) -> str:
@@ -206,7 +206,7 @@ def recipe_activations(model_config, recipe: Recipe, config, accelerator: bool, 
     dtype_bytes = DTYPES[config.device_dtype].itemsize
     free = max(H200_BYTES - num_params * dtype_bytes, 0) if accelerator else None
     return device_activations(model_config, config, int(t.get("per_device_train_batch_size", 8)),
-                              int(recipe.data.seq_len), bool(t.get("gradient_checkpointing", False)),
+                              int(recipe.data.seq_len), checkpointing_on(t),
                               accelerator, free)
 
 
@@ -313,7 +313,7 @@ def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, nu
     (recipe_activations)."""
     t = recipe.training
     batch, seq = int(t.get("per_device_train_batch_size", 8)), int(recipe.data.seq_len)
-    checkpointing = bool(t.get("gradient_checkpointing", False))
+    checkpointing = checkpointing_on(t)
     terms, choice = recipe_activations(model_config, recipe, config, accelerator, num_params)
     shown = ", ".join(f"{name} {value / 1e9:.3f}" for name, value in terms.rows() if name != "total")
     where = "against an H200's 141 GB less the stationary weights" if accelerator else "on the CPU device"

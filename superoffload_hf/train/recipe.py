@@ -122,10 +122,28 @@ def check_type(key: str, value: Any, annotation: Any) -> Any:
     a numeric string, returned as a float); otherwise raise a RecipeError naming `key`."""
     ok, converted = _fits(value, annotation)
     if not ok:
+        named = _enum_of(annotation)
+        if named is not None and isinstance(value, str):
+            raise RecipeError(bad_choice(key, value, [m.value for m in named], named.__name__))
         raise RecipeError(
             f"`{key}` is {value!r} ({type(value).__name__}); expected {_describe(annotation)}."
         )
     return converted
+
+
+def bad_choice(key: str, value: str, choices: Sequence[str], names: str = "names") -> str:
+    """`key` is `value`, not a choice: all of them where they are few, else how many there are
+    and the closest one (or the first two)."""
+    if len(choices) <= 6:
+        return f"`{key}` is {value!r}; expected one of {', '.join(repr(c) for c in choices)}."
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    such = f"{close[0]!r}" if close else f"{choices[0]!r} or {choices[1]!r}"
+    return f"`{key}` is {value!r}; expected one of the {len(choices)} {names} values, such as {such}."
+
+
+def _enum_of(annotation: Any) -> Optional[type]:
+    members = _union_args(annotation) or (annotation,)
+    return next((m for m in members if isinstance(m, type) and issubclass(m, enum.Enum)), None)
 
 
 def _union_args(annotation: Any) -> Optional[tuple]:
@@ -137,6 +155,8 @@ def _union_args(annotation: Any) -> Optional[tuple]:
 def _fits(value: Any, annotation: Any) -> tuple[bool, Any]:
     members = _union_args(annotation)
     if members is not None:
+        if _enum_of(annotation) is not None:
+            members = tuple(m for m in members if m is not str)  # `Enum | str`: the str is a member's value
         for member in members:
             ok, converted = _fits(value, member)
             if ok:
@@ -154,7 +174,9 @@ def _fits_one(value: Any, kind: Any) -> tuple[bool, Any]:
         return isinstance(value, int) and not isinstance(value, bool), value
     if kind is float:
         return _as_float(value)
-    if kind is str or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return isinstance(value, str) and value in {m.value for m in kind}, value
+    if kind is str:
         return isinstance(value, str), value
     if kind in (dict, Mapping):
         return isinstance(value, Mapping), value
@@ -193,7 +215,8 @@ def check_keys(section: str, values: Mapping[str, Any], allowed: Sequence[str]) 
     for key in values:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), list(allowed), n=3)
-            hint = f" Did you mean {close}?" if close else f" Valid keys: {sorted(allowed)}."
+            hint = (f" Did you mean {close}?" if close else f" Valid keys: {sorted(allowed)}." if len(allowed) <= 12
+                    else f" `superoffload train --help` lists the keys of `{section}`; docs/config.md explains them.")
             raise RecipeError(f"Unknown key `{section}.{key}`.{hint}")
 
 
@@ -508,7 +531,9 @@ def _blamed(error: Exception, overrides: Sequence[tuple[str, Any]], path: Path) 
     message = str(error)
     for key, _ in overrides:
         leaf = key.rsplit(".", 1)[-1]
-        if f"`{key}`" in message or (key.startswith("superoffload.") and f"'{leaf}'" in message):
+        if f"`{key}`" in message:
+            return "on the command line"  # the message names the key
+        if key.startswith("superoffload.") and f"'{leaf}'" in message:
             return f"on the command line, `--{key}`"
     return str(path)
 
@@ -635,6 +660,7 @@ def validate_training(values: Any) -> dict:
                 "section; move the settings there (or set `superoffload: false`)."
             )
     fields_by_name = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+    values = checkpointing_keys(values, fields_by_name)
     check_keys("training", values, list(fields_by_name))
     if not values.get("output_dir"):
         raise RecipeError("Missing key `training.output_dir`: where checkpoints are saved, e.g. `output_dir: out/tiny`.")
@@ -646,6 +672,29 @@ def validate_training(values: Any) -> dict:
     for key, value in checked.items():
         _check_training_range(key, value)
     return checked
+
+
+# (new name, old name): transformers 5.24 renamed gradient checkpointing and warns on the old name;
+# before 5.24 the old name is the only one.
+CHECKPOINTING_KEYS = (("activation_checkpointing", "gradient_checkpointing"),
+                      ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))
+
+
+def checkpointing_keys(values: Mapping[str, Any], fields: Any) -> dict:
+    """`values` with its checkpointing keys under the name the installed TrainingArguments reads
+    without a deprecation warning: a recipe may use either name on every supported version."""
+    renamed = {}
+    for new, old in CHECKPOINTING_KEYS:
+        if new in values and old in values:
+            raise RecipeError(f"`training.{new}` and `training.{old}` are one setting (the second is its old "
+                              f"name); keep `training.{new}`.")
+        renamed[new if new not in fields else old] = new if new in fields else old
+    return {renamed.get(key, key): value for key, value in values.items()}
+
+
+def checkpointing_on(training: Mapping[str, Any]) -> bool:
+    """Whether a validated `training:` section turns gradient (activation) checkpointing on."""
+    return bool(training.get("activation_checkpointing") or training.get("gradient_checkpointing"))
 
 
 # key -> (test, what is expected): values TrainingArguments accepts but training fails on later.
@@ -681,6 +730,14 @@ def _check_training_range(key: str, value: Any) -> None:
 def _check_training_value(key: str, value: Any, annotation: Any) -> Any:
     if key == "resume_from_checkpoint":
         return _check_resume(value)
+    if key == "optim" and isinstance(value, str):  # a plain str field: transformers checks it after loading
+        from transformers.training_args import OptimizerNames
+
+        from superoffload_hf.integrations.trainer_hooks import OPTIM_SYNONYM
+
+        choices = [*(m.value for m in OptimizerNames), OPTIM_SYNONYM]
+        if value not in choices:
+            raise RecipeError(bad_choice(f"training.{key}", value, choices, "OptimizerNames"))
     return check_type(f"training.{key}", value, annotation)
 
 
