@@ -40,6 +40,41 @@ def _sanitizer_in_this_thread():
     return cuda_sanitizer.dispatch
 
 
+# torch's allocator settings keys that choose how new host blocks are page-locked
+PINNING_KEYS = ("pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_num_register_threads")
+_WRITTEN: dict[str, str] = {}  # settings string host_register wrote -> the user's settings it kept
+
+
+def allocator_setting_items(settings: str) -> list[tuple[str, str]]:
+    """(key, value) of each `key:value` of an allocator settings string (commas inside brackets,
+    as in `roundup_power2_divisions:[256:1,>:2]`, belong to the value)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(settings + ","):
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            item = settings[start:i].strip()
+            if item:
+                key, _, value = item.partition(":")
+                items.append((key.strip(), value.strip()))
+            start = i + 1
+    return items
+
+
+def pinning_settings(user: str, enabled: bool, threads: int) -> Optional[str]:
+    """The allocator settings string that pins new host blocks by cudaHostRegister (`enabled`,
+    `threads` threads) or cudaHostAlloc while keeping every setting of `user` (the settings in
+    force before the engine touched them): torch resets max_split_size_mb,
+    roundup_power2_divisions and garbage_collection_threshold to their defaults at every parse,
+    so the user's are written again. None where `user` names a pinning key: the user chose."""
+    items = allocator_setting_items(user)
+    if any(key in PINNING_KEYS for key, _ in items):
+        return None
+    ours = [("pinned_use_cuda_host_register", "True" if enabled else "False")]
+    if enabled:
+        ours.append(("pinned_num_register_threads", str(threads)))
+    return ",".join(f"{key}:{value}" for key, value in items + ours)
+
+
 class AcceleratorRuntime:
     is_async = True
     # torch's caching host allocator rounds every page-locked block up to a power of two
@@ -73,12 +108,21 @@ class AcceleratorRuntime:
     def host_register(self, enabled: bool, threads: int = 8) -> bool:
         """torch's caching host allocator pins its new blocks by cudaHostRegister (of malloc'ed
         memory, faulted in by `threads` threads) instead of cudaHostAlloc; either way it rounds
-        and caches them alike. CUDA only."""
+        and caches them alike. CUDA only. False, and nothing written, where the user's allocator
+        settings name the pinning method: theirs stands (pinning_settings)."""
+        getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-        if self.device.type != "cuda" or setter is None:
+        if self.device.type != "cuda" or setter is None or getter is None:
             return False
+        current = getter()
+        user = _WRITTEN.get(current, current)  # a string this process wrote stands for the user's under it
         threads = 1 << (max(1, min(int(threads), 128)).bit_length() - 1)  # torch wants a power of two <= 128
-        setter(f"pinned_use_cuda_host_register:{'True' if enabled else 'False'},pinned_num_register_threads:{threads}")
+        settings = pinning_settings(user, enabled, threads)
+        if settings is None:
+            return False
+        if settings != current and (enabled or current != user):  # torch's default in force: nothing to write
+            setter(settings)
+            _WRITTEN[settings] = user
         return True
 
     def adopt(self, params) -> None:
