@@ -59,6 +59,14 @@ import contextlib
 from typing import Iterator
 
 
+def pinned_block_bytes(nbytes: int, rounds: bool = True) -> int:
+    """The host bytes a page-locked `host_empty` of `nbytes` takes where the runtime `rounds`
+    (pinned_rounds_to_power_of_two: torch's caching host allocator takes the next power of two)."""
+    if nbytes <= 0 or not rounds:
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
+
+
 class NullEvent:
     """An event on a synchronous device: everything it could mark has already happened."""
 

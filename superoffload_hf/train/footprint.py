@@ -29,6 +29,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     from superoffload_hf.engine.layout import DTYPES
     from superoffload_hf.engine.memory import footprint, format_footprint
     from superoffload_hf.parallel.activation_offload import dry_run_line as activation_offload_line
+    from superoffload_hf.parallel.activation_offload import dry_run_pinned_bytes as activation_pinned_bytes
 
     model_config, shipped = _model_config(recipe)
     if model_config is None:
@@ -78,7 +79,10 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
         lines.append(flow_choice_lines(model, params, groups, config, tokens,
                                        int(t.get("gradient_accumulation_steps", 1))))
     lines.extend(activation_lines(model_config, recipe, config, accelerator, n))
-    lines.append(host_check_line(rows, not accelerator))
+    element_bytes = DTYPES[config.device_dtype].itemsize
+    lines.append(host_check_line(rows, not accelerator, activation_pinned_bytes(
+        recipe, model_config, config.activation_offload, element_bytes, not accelerator,
+        max(H200_BYTES - n * element_bytes, 0))))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
     return "\n".join(lines)
@@ -324,16 +328,18 @@ def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, nu
             f"{choice.describe().replace(': ', ' - ')}"]
 
 
-def host_check_line(rows, device_is_host: bool) -> str:
+def host_check_line(rows, device_is_host: bool, activation_pinned: int = 0) -> str:
     """What the engine's check before allocating compares (engine/host_limit.py), against this
-    machine's memory now: the host buffers plus the re-plan's transient."""
+    machine's memory now: the host buffers plus the re-plan's transient, plus activation
+    offload's pinned pool (`activation_pinned`, reserved before training)."""
     from superoffload_hf.engine.host_limit import host_bytes, host_memory_left, replan_transient
 
     transient = replan_transient(rows)
-    need = host_bytes(rows, device_is_host) + transient
+    need = host_bytes(rows, device_is_host) + transient + activation_pinned
     # (indented, no ": ": the dry run's output reads as YAML)
     line = (f"  host memory checked before allocating {need / 1e9:.3f} GB with the re-plan after step 1 "
-            f"({transient / 1e9:.3f} GB of it the re-plan's transient)")
+            f"({transient / 1e9:.3f} GB of it the re-plan's transient")
+    line += f", {activation_pinned / 1e9:.3f} GB activation offload's pinned pool)" if activation_pinned else ")"
     line += f"; {fits_hosts(need)}"
     left = host_memory_left(None)
     if left is None:
