@@ -190,6 +190,11 @@ class AcceleratorRuntime:
     def reset_peak_memory_stats(self) -> None:
         torch.accelerator.memory.reset_peak_memory_stats(self.device)
 
+    def allocator_slack(self) -> int:
+        """Bytes the caching allocator's pools hold beyond what they serve (reserved - allocated)."""
+        memory = torch.accelerator.memory
+        return max(0, int(memory.memory_reserved(self.device)) - int(memory.memory_allocated(self.device)))
+
     def memory_info(self) -> tuple[int, int]:
         info = getattr(torch.accelerator, "get_memory_info", None)
         if info is not None:

@@ -48,6 +48,8 @@ A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
     max_memory_allocated() -> int | None  peak device bytes allocated since the start or
                                    reset_peak_memory_stats() (None: the CPU, not tracked)
     reset_peak_memory_stats()
+    allocator_slack() -> int       device bytes the caching allocator holds beyond what it serves
+                                   (reserved - allocated; 0 where there is none)
 
 Streams: `wait_event(event)`, `wait_stream(stream)`. Nothing in the seam blocks the host except
 `Event.synchronize()`: the engine never calls a device-wide synchronize.

@@ -738,6 +738,10 @@ class SimRuntime:
             total = self.device_memory.total
             return max(0, total - self.device_memory.allocated), total
 
+    def allocator_slack(self) -> int:
+        """0: the simulated device has no caching allocator (every byte allocated is counted)."""
+        return 0
+
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
         """`tensor.untyped_storage().resize_(nbytes)` on the device (weight-flow's fetch and
         release, as FSDP allocates and frees a parameter): a grown storage is admitted by the

@@ -157,12 +157,13 @@ def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_s
     H200): the layout value the engine would run with there, which units flow, the device peak
     with and without flow and the predicted exposed transfer time at `tokens` a micro-batch
     (engine/layout.py decide_layout, engine/flow_choice.py: the engine's own decision)."""
-    from superoffload_hf.engine.flow_choice import choose_depth
+    from superoffload_hf.engine.flow_choice import choose_depth, device_margin
     from superoffload_hf.engine.layout import decide_layout, dry_run_machine
 
     device = device or H200
     machine = dry_run_machine(True, config.pin_memory, free_bytes=device["device_bytes"],
-                              total_bytes=device["device_bytes"], params_counted=True, h2d_gbps=device["link_gbps"])
+                              total_bytes=device["device_bytes"], params_counted=True, h2d_gbps=device["link_gbps"],
+                              margin_bytes=device_margin(device["device_bytes"]))
     what = (f"{device['name']} ({device['device_bytes'] / 1e9:.0f} GB, {device['link_gbps']:g} GB/s host-to-device, "
             f"{device['utilisation']:.0%} of {device['flops'] / 1e12:.0f} TFLOP/s assumed; {tokens} tokens a micro-batch)")
     mode = "auto" if config.weights == "stationary" else config.weights
@@ -176,7 +177,7 @@ def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_s
     choice = layout.flow_choice or forced.flow_choice
     per_element = 2 * tokens / (device["flops"] * device["utilisation"])  # forward seconds per multiply element
     timed = choose_depth(choice, device["link_gbps"] * 1e9, per_element,
-                         headroom_bytes=max(0, device["device_bytes"] - choice.peak_flow))
+                         headroom_bytes=max(0, device["device_bytes"] - choice.margin_bytes - choice.peak_flow))
     compute = 3 * per_element * sum(u.compute for u in choice.units)  # forward + backward
     flows = sum(choice.flowing) if layout.flow_choice is not None else 0
     head = (f"  on {what} weights {mode} flows {flows} of {len(choice.units)} units"
