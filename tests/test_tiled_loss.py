@@ -72,13 +72,34 @@ def test_sum_reduction_and_a_scaled_gradient():
 
 def test_chunks_whose_labels_are_all_ignored_give_zero_gradient_rows():
     hidden, weight, _, labels = _inputs(bias=False)
-    labels[0] = -100  # the first sequence's 13 tokens (and the shift's ignored last one): chunks 0-1 of 4 skipped
+    labels[0] = -100  # the first sequence's 13 tokens (and the shift's ignored last one): chunks 0-1 of 4 predict nothing
     got = tiled_cross_entropy(hidden, weight, labels, chunk_tokens=4)
     expected = _untiled(hidden, weight, None, labels)
     assert_close(got, expected)
     (grad_hidden,) = torch.autograd.grad(got, [hidden])
     assert torch.equal(grad_hidden[0], torch.zeros_like(grad_hidden[0]))
     assert_close(grad_hidden, torch.autograd.grad(expected, [hidden])[0])
+
+
+def test_the_tiled_loss_reads_nothing_on_the_host_in_forward_or_backward():
+    """On a GPU each host read of device data (`.tolist()`, `bool()`, ...) synchronises the device:
+    the simulated device counts them (before: one `.tolist()` in forward, one in backward)."""
+    from superoffload_hf.testing.sim import SimRuntime
+
+    hidden, weight, bias, labels = _inputs()
+    labels[0] = -100  # chunks that predict nothing as well
+    sim = SimRuntime()
+    try:
+        with sim.count_host_reads() as reads:
+            loss = tiled_cross_entropy(hidden, weight, labels, bias=bias, chunk_tokens=4)
+            grads = torch.autograd.grad(loss, [hidden, weight, bias])
+    finally:
+        sim.close()
+    assert reads == {}, reads
+    expected = _untiled(hidden, weight, bias, labels)
+    assert_close(loss, expected)
+    for g, e in zip(grads, _grads(expected, (hidden, weight, bias))):
+        assert_close(g, e)
 
 
 def test_every_label_ignored_is_nan_as_torch_with_zero_gradients():

@@ -7,8 +7,10 @@ as transformers' ForCausalLMLoss upcasts them) and its summed cross-entropy with
 whose backward recomputes each chunk's logits and takes that chunk's gradients with autograd
 (the same operators as the untiled loss, so each row of the hidden-state gradient is the untiled
 one to rounding; the head's gradient is summed over chunks in fp32 and cast once). Saved for
-backward: the head's input, the head's weight (no copy) and the labels. Chunks with no label to
-predict are skipped (their gradient rows are exactly zero, as untiled).
+backward: the head's input, the head's weight (no copy) and the labels. Every chunk is computed,
+those with no label to predict included (they add exactly zero to the loss and their gradient
+rows are exactly zero, as untiled): skipping them would need the labels on the host, a device
+synchronisation in forward and backward every step.
 
 `apply_tiled_loss(model)` wraps one transformers causal LM's forward (the instance's, not its
 class; and its head's, so that the loss is computed inside a call of the head module, whose hooks,
@@ -88,7 +90,7 @@ class _TiledHeadLoss(torch.autograd.Function):
         ctx.save_for_backward(hidden_flat, weight, bias, labels_flat)
         ctx.chunk_tokens, ctx.ignore_index = chunk_tokens, ignore_index
         total = torch.zeros((), dtype=torch.float32, device=hidden_flat.device)
-        for start, end in _live_chunks(labels_flat, chunk_tokens, ignore_index):
+        for start, end in _chunks(labels_flat.numel(), chunk_tokens):
             logits_fp32 = F.linear(hidden_flat[start:end], weight, bias).float()  # one chunk's logits at a time
             total += F.cross_entropy(logits_fp32, labels_flat[start:end], ignore_index=ignore_index, reduction="sum")
             del logits_fp32
@@ -104,7 +106,7 @@ class _TiledHeadLoss(torch.autograd.Function):
         grad_bias_fp32 = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
         weight_leaf = weight.detach().requires_grad_(need_weight)  # a graph of this chunk only
         bias_leaf = None if bias is None else bias.detach().requires_grad_(need_bias)
-        for start, end in _live_chunks(labels_flat, ctx.chunk_tokens, ctx.ignore_index):
+        for start, end in _chunks(labels_flat.numel(), ctx.chunk_tokens):
             hidden_leaf = hidden_flat[start:end].detach().requires_grad_(need_hidden)
             with torch.enable_grad():  # (the logits are not held: the graph keeps only their log-softmax)
                 loss = F.cross_entropy(F.linear(hidden_leaf, weight_leaf, bias_leaf).float(), labels_flat[start:end],
@@ -124,15 +126,9 @@ class _TiledHeadLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
-def _live_chunks(labels_flat: torch.Tensor, chunk_tokens: int, ignore_index: int):
-    """(start, end) of each chunk that has a label to predict. One host read of the chunks' mask:
-    a device synchronisation on an accelerator, once in forward and once in backward."""
-    n = labels_flat.numel()
-    if n == 0:
-        return []
-    live = (labels_flat != ignore_index)
-    padded = F.pad(live, (0, (-n) % chunk_tokens)).view(-1, chunk_tokens).any(dim=1).tolist()
-    return [(i * chunk_tokens, min(n, (i + 1) * chunk_tokens)) for i, keep in enumerate(padded) if keep]
+def _chunks(n: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """(start, end) of each chunk of `n` tokens (no read of the labels: no device synchronisation)."""
+    return [(start, min(n, start + chunk_tokens)) for start in range(0, n, chunk_tokens)]
 
 
 # ---- applying it to a transformers causal LM ---------------------------------------------------
