@@ -104,7 +104,9 @@ class SuperOffloadConfig:
     memory, else stationary (under data parallelism: flow on every rank, every unit, when they do
     not fit on some rank's device); in one process, when it flows, per unit: the fewest units flowing that fit, the units whose fetch hides best behind their compute first
     (the others stay on the device), prefetched as deep as the link speed and the forward time
-    measured in the first step call for (engine/flow_choice.py). `device_dtype` fp32 or bf16
+    measured in the first step call for (engine/flow_choice.py). "auto" keeps a margin of the
+    device free: 5% of it, or the caching allocator's measured slack where larger (the flow and
+    compute streams' pools cannot serve each other). `device_dtype` fp32 or bf16
     (docs/weight-flow.md)."""
 
     device_activation_bytes: int = 0
@@ -185,8 +187,14 @@ class SuperOffloadConfig:
     often several times faster for the tens of GB a large model pins. "auto": where the plan
     pins 1 GB or more, page-lock 64 MiB by each method at construction and keep the one that
     pins faster without losing over 5% of the other's copy bandwidth; else "alloc". Set only while
-    the engine allocates its arenas (the allocator setting is global to the process). The log's
-    page-locking line says which method ran, why, and how long it took; nothing to choose on the CPU."""
+    the engine allocates its arenas (the allocator setting is global to the process). A setting
+    the user made is never changed: where the user's allocator settings (`PYTORCH_CUDA_ALLOC_CONF`,
+    `PYTORCH_ALLOC_CONF`, `torch._C._accelerator_setAllocatorSettings`) name
+    `pinned_use_cuda_host_register` or `pinned_num_register_threads`, the engine pins as they say
+    and writes nothing; otherwise each switch writes the user's other settings again (torch resets
+    `max_split_size_mb`, `roundup_power2_divisions` and `garbage_collection_threshold` to their
+    defaults at every parse). The log's page-locking line says which method ran, why, and how long
+    it took; nothing to choose on the CPU."""
 
     host_memory_check: bool = True
     """Before allocating the host buffers (and before a re-plan), compare what the plan needs,
