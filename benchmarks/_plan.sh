@@ -1,4 +1,5 @@
-# The time plan of a prepared run (sourced by _stages.sh; gpu_check.sh checks its plan with it).
+# The time plan of a prepared run (sourced by _stages.sh; gpu_check.sh and gpu_peers.sh check their
+# plan, and the stages chosen to run (SELECTED), with it).
 # A stage runs under `timeout -k KILL_GRACE LIMIT`: it may take up to LIMIT + KILL_GRACE seconds.
 RESERVE=10     # seconds kept for writing the summary after the last stage
 KILL_GRACE=5   # seconds between timeout's TERM and its KILL
@@ -19,3 +20,22 @@ check_plan() {
     return 1
   fi
 }
+
+# check_selection: every name in SELECTED is a stage; non-zero naming the valid ones if not. Then
+# drops the stages not selected from STAGE_ORDER (the plan checks only what runs).
+check_selection() {
+  local name kept=()
+  [ -z "${SELECTED:-}" ] && return 0
+  for name in ${SELECTED//,/ }; do
+    if [[ " ${STAGE_ORDER[*]} " != *" $name "* ]]; then
+      echo "unknown stage '$name' in ${SELECTED_VAR:-the stages to run}=$SELECTED; expected a comma-separated list of: ${STAGE_ORDER[*]}" >&2
+      return 1
+    fi
+  done
+  for name in "${STAGE_ORDER[@]}"; do
+    if [[ ",$SELECTED," == *",$name,"* ]]; then kept+=("$name"); fi
+  done
+  STAGE_ORDER=("${kept[@]}")
+}
+
+selected() { [ -z "${SELECTED:-}" ] || [[ ",$SELECTED," == *",$1,"* ]]; }

@@ -12,8 +12,10 @@
 #   peers    which peers import, and their versions
 #   e2e      benchmarks/e2e.py --gpu: the table, every row measured or saying why not
 #
-# usage: benchmarks/gpu_peers.sh [--rehearse | --plan] [OUT_DIR]
-#   OUT_DIR defaults to $OUT, else results/gpu_peers: <stage>.log, summary.{md,json}, e2e.json.
+# usage: [GPU_PEERS_STAGES=a,b] benchmarks/gpu_peers.sh [--rehearse | --plan] [OUT_DIR]
+#   OUT_DIR defaults to $OUT, else results/gpu_peers: summary.{md,json} and evidence.tar.gz (each
+#   stage's log, e2e.json); the summary is also the last lines of stdout. GPU_PEERS_STAGES: run
+#   only these stages.
 #   --rehearse: the CPU, the simulated device, e2e.py --smoke, and no install (unless
 #   GPU_PEERS_INSTALL=1): whichever peers already import run. Exits non-zero when a stage fails.
 set -u -o pipefail
@@ -28,9 +30,11 @@ STAGE_ORDER=(install peers e2e)
 declare -A CAP=([install]=120 [peers]=30 [e2e]=355)
 GPU_BUDGET=540  # the whole-script deadline on the GPU machine: 9 minutes
 if [ "$REHEARSE" = 0 ] && [ -n "${GPU_PEERS_BUDGET_S:-}" ]; then GPU_BUDGET=$GPU_PEERS_BUDGET_S; fi
+SELECTED=${GPU_PEERS_STAGES:-} SELECTED_VAR=GPU_PEERS_STAGES
 
 cd "$(dirname "$0")/.."
 . benchmarks/_plan.sh
+if ! check_selection; then exit 2; fi
 if ! check_plan "$GPU_BUDGET" "GPU_PEERS_BUDGET_S" "benchmarks/gpu_peers.sh"; then exit 2; fi
 if [ "$PLAN_ONLY" = 1 ]; then exit 0; fi
 if [ "$REHEARSE" = 1 ]; then  # it checks the script, not the GPU's timing: each stage gets what is left
@@ -74,6 +78,6 @@ for name in ('deepspeed', 'torchao'):
         print(name, importlib.import_module(name).__version__)
     except Exception as exc:  # a peer that does not import keeps its row, with the reason
         print(name, 'not importable:', type(exc).__name__, exc)"
-stage e2e "${CAP[e2e]}" $PY benchmarks/e2e.py "${E2E[@]}" --json "$OUT_DIR/e2e.json"
-grep -E "^\|" "$OUT_DIR/e2e.log" >> "$summary_md"
+stage e2e "${CAP[e2e]}" $PY benchmarks/e2e.py "${E2E[@]}" --json "$WORK_DIR/e2e.json"
+if [ -f "$WORK_DIR/e2e.log" ]; then grep -E "^\|" "$WORK_DIR/e2e.log" >> "$summary_md"; fi
 finish

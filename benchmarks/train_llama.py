@@ -16,8 +16,11 @@ and 1e3); every speculation mode runs at every threshold.
 Reports per mode: step time (median of the measured steps), tokens/s, peak device memory, peak
 host resident memory, the device's idle time per step (measured with device events:
 `counters.device_wait_seconds`), the training thread's blocking waits, the cost model's predicted
-step time, and the optimizer's counters; writes results.json and results.md to --out. Exits non-zero when a loss is not finite or the two modes' losses
-disagree by more than --loss-rtol (speculation must not change what is learned).
+step time, and the optimizer's counters; writes results.json and results.md to --out when each
+mode ends (a later mode that is refused, fails or is killed keeps the earlier modes' results). A
+mode that raises is recorded with its error and the next mode runs. Exits non-zero when a mode
+failed, a loss is not finite or the modes' losses disagree by more than --loss-rtol (speculation
+must not change what is learned).
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", default="auto")
     p.add_argument("--cast", default="auto", choices=["auto", "device", "host"])
     p.add_argument("--rollback", default="inverse", choices=["inverse", "snapshot"])
+    p.add_argument("--host-kernel", default="auto", choices=["auto", "cpp", "reference"],
+                   help="the host Adam (config `host_kernel`; cpp: GraceAdam or an error, never the reference)")
+    p.add_argument("--host-memory-budget", default=None,
+                   help="config `host_memory_budget` (e.g. 100GB): the host memory this process may use")
     p.add_argument("--max-grad-norm", default="1e3", help="comma-separated clipping thresholds to run")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--loss-rtol", type=float, default=2e-2)
@@ -144,7 +151,7 @@ def run_mode(args, speculation: str, max_grad_norm: float, timeline_dir=None) ->
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     config = {"device_dtype": args.dtype, "speculation": speculation, "rollback": args.rollback,
-              "cast": args.cast, "device_buckets": _auto_or_int(args.device_buckets),
+              "cast": args.cast, "host_kernel": args.host_kernel, "host_memory_budget": args.host_memory_budget, "device_buckets": _auto_or_int(args.device_buckets),
               "bucket_size_mb": _auto_or_float(args.bucket_mb)}
     if timeline_dir is not None:
         config.update(timeline_dir=str(timeline_dir), timeline_steps=(args.warmup, args.warmup + 1))
@@ -189,6 +196,7 @@ def run_mode(args, speculation: str, max_grad_norm: float, timeline_dir=None) ->
             "buckets": len(opt.plan.buckets),
             "device_buckets": opt.plan.num_device_buckets,
             "summary": opt.summary(),
+            "host_adam": opt._engine.adam.describe(),
         }
     ledger, optimizer_ref = opt.ledger, weakref.ref(opt)
     del opt, model
@@ -253,21 +261,41 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     thresholds = [float(x) for x in str(args.max_grad_norm).split(",")]
     runs = [(mode.strip(), threshold) for threshold in thresholds for mode in args.speculation.split(",")]
-    results = []
+    results, failures = [], []
     if args.timeline_dir is not None:
         _warm_matplotlib()
     for i, (mode, threshold) in enumerate(runs):
-        results.append(run_mode(args, mode, threshold, args.timeline_dir if i == 0 else None))
-        print(f"train_llama: speculation {mode}, max_grad_norm {threshold:g}: "
-              f"{results[-1]['tokens_per_second']:.0f} tokens/s", flush=True)
-    problems = check(results, args.loss_rtol)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results,
-                                                  "problems": problems}, indent=2))
-    (out / "results.md").write_text(markdown(args, results) + "".join(f"\nFAIL: {p}" for p in problems))
-    print(markdown(args, results))
-    for problem in problems:
+        try:
+            results.append(run_mode(args, mode, threshold, args.timeline_dir if i == 0 else None))
+        except Exception as exc:  # a refused or failed mode is a result too; the next mode still runs
+            failures.append({"speculation": mode, "max_grad_norm": threshold,
+                             "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+            print(f"FAIL: speculation {mode}, max_grad_norm {threshold:g}: {failures[-1]['error']}", flush=True)
+        else:
+            print(f"train_llama: speculation {mode}, max_grad_norm {threshold:g}: "
+                  f"{results[-1]['tokens_per_second']:.0f} tokens/s", flush=True)
+        write_results(out, args, results, failures, runs[i + 1:])
+    problems = write_results(out, args, results, failures, [])
+    if results:
+        print(markdown(args, results))
+    for problem in problems[len(failures):]:  # (each failed mode printed its FAIL line when it failed)
         print(f"FAIL: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def write_results(out: Path, args, results: list[dict], failures: list[dict], pending: list) -> list[str]:
+    """results.json and results.md as they stand (rewritten after every mode); the problems."""
+    problems = [f"speculation {f['speculation']}, max_grad_norm {f['max_grad_norm']:g} failed: {f['error']}"
+                for f in failures] + check(results, args.loss_rtol)
+    pending = [{"speculation": m, "max_grad_norm": t} for m, t in pending]
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results, "failures": failures,
+                                                  "pending": pending, "problems": problems}, indent=2))
+    text = markdown(args, results) if results else "# train_llama: no mode finished"
+    text += "".join(f"\nFAIL: {p}" for p in problems)
+    text += "".join(f"\nnot run yet: speculation {p['speculation']}, max_grad_norm {p['max_grad_norm']:g}"
+                    for p in pending)
+    (out / "results.md").write_text(text + "\n")
+    return problems
 
 
 def _pct(x: float) -> str:

@@ -99,10 +99,15 @@ class SuperOffloadConfig:
     prefetched ahead, released after it (storage resized to 0), fetched again in reverse order
     for its backward and released when its gradients have left. Under data parallelism each
     fetch all-gathers the unit's buckets from the ranks' shards (a collective: every rank runs
-    the same forwards, and calls `model.state_dict()` together). "auto": flow when the weights,
-    the engine's device buffers and `device_activation_bytes` do not fit in the free device
-    memory, else stationary (under data parallelism: flow on every rank, every unit, when they do
-    not fit on some rank's device); in one process, when it flows, per unit: the fewest units flowing that fit, the units whose fetch hides best behind their compute first
+    the same forwards, and calls `model.state_dict()` together, or `optimizer.fetch_weights()`
+    together and then `model.state_dict()` on rank 0 alone); between uses a flowing parameter is
+    released: the model's state dict holds host copies of its weights, `p.copy_(x)` /
+    `load_state_dict` write the host copy, other reads of it raise naming `model.state_dict()`.
+    "auto": flow when the weights, the engine's device buffers and `device_activation_bytes` do
+    not fit in the free device memory, else stationary (under data parallelism: flow on every
+    rank, every unit, when they do not fit on some rank's device); in one process, when it flows,
+    per unit: the fewest units flowing that fit, the units whose fetch hides best behind their
+    compute first
     (the others stay on the device), prefetched as deep as the link speed and the forward time
     measured in the first step call for (engine/flow_choice.py). "auto" keeps a margin of the
     device free: 5% of it, or the caching allocator's measured slack where larger (the flow and
@@ -198,9 +203,18 @@ class SuperOffloadConfig:
 
     host_memory_check: bool = True
     """Before allocating the host buffers (and before a re-plan), compare what the plan needs,
-    per buffer kind, plus the re-plan's transient with the memory this process may use (the
-    cgroup limit less its usage, /proc/meminfo MemAvailable) and refuse with the table and the
-    fixes when it does not fit. false: skip the check (the kernel may then end the process)."""
+    per buffer kind, plus the re-plan's transient with the memory this process may use and refuse
+    with the table, the fixes and the figure used when it does not fit: `host_memory_budget` if
+    set, else the smallest of the cgroup limit less its usage, MemTotal less every process's
+    resident memory, and (under strict overcommit) CommitLimit less Committed_AS; never
+    MemAvailable, which on a VM whose memory grows as it is used starts far below what it can
+    take (engine/host_limit.py). false: skip the check (the kernel may then end the process)."""
+
+    host_memory_budget: Optional[Union[int, str]] = None
+    """The host memory this process may use in all, its resident memory included: bytes, or a
+    string such as "100GB" or "96GiB". Set: the host check compares against it less the process's
+    resident memory, instead of what it reads from the machine (for a host whose limits it cannot
+    read, e.g. a VM that grows its memory on use). null: read the machine."""
 
     host_kernel: str = AUTO
     """Which host Adam implementation to use. "cpp": the JIT-built GraceAdam kernel (error if it
@@ -217,6 +231,15 @@ class SuperOffloadConfig:
     The world is data parallel x sequence parallel: consecutive groups of this many ranks hold
     one data-parallel replica's batch, each rank 1/N of every sequence; it must divide the
     world size (the number of processes). 1: off."""
+
+    resume_weights_only: bool = False
+    """Under the Trainer, with `resume_from_checkpoint`: load only the model weights of the
+    checkpoint and train from step 0 with a fresh optimizer and LR schedule (for a checkpoint whose
+    optimizer state is missing or corrupt). The same as `TrainingArguments(resume_weights_only=True)`;
+    this field is how a stock script under `superoffload launch`, whose argument parser knows no
+    such flag, asks for it (with the script's own `--resume_from_checkpoint`). A run from step 0
+    may not write into an output_dir that holds checkpoints (its saves would overwrite them and
+    `save_total_limit` rotate them away): give the script a new `--output_dir`."""
 
     timeline_dir: Optional[str] = None
     """Write a step timeline of `timeline_steps` to this directory: trace.json (Chrome trace
@@ -293,9 +316,13 @@ class SuperOffloadConfig:
         _check_choice("pin_method", self.pin_method, PIN_METHOD_CHOICES)
         if not isinstance(self.host_memory_check, bool):
             raise ConfigError(f"`host_memory_check` is {self.host_memory_check!r}; expected true or false.")
+        if self.host_memory_budget is not None:
+            object.__setattr__(self, "host_memory_budget", _parse_bytes("host_memory_budget", self.host_memory_budget))
         _check_choice("host_kernel", self.host_kernel, HOST_KERNEL_CHOICES)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
         _check_int("sequence_parallel_size", self.sequence_parallel_size, minimum=1)
+        if not isinstance(self.resume_weights_only, bool):
+            raise ConfigError(f"`resume_weights_only` is {self.resume_weights_only!r}; expected true or false.")
         if self.timeline_dir is not None and not isinstance(self.timeline_dir, str):
             raise ConfigError(f"`timeline_dir` is {self.timeline_dir!r}; expected a directory path (a string) or null.")
         steps = self.timeline_steps
@@ -392,6 +419,27 @@ def check_sequence_parallel_size(size: Any, world: int) -> None:
 
 
 # ---- validation helpers ----------------------------------------------------------------------
+
+
+BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_bytes(name: str, value) -> int:
+    """A positive byte count: an int, or a number with a unit of BYTE_UNITS ("100GB", "96 GiB")."""
+    if _is_int(value) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().upper()
+        unit = next((u for u in sorted(BYTE_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+        try:
+            number = float(text[:-len(unit)]) if unit else None
+        except ValueError:
+            number = None
+        if number is not None and number > 0:
+            return int(number * BYTE_UNITS[unit])
+    raise ConfigError(f"`{name}` is {value!r}; expected a positive number of bytes or a size with a unit "
+                      f"({', '.join(u.replace('I', 'i') for u in BYTE_UNITS)}), e.g. \"100GB\".")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

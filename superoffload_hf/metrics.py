@@ -55,6 +55,11 @@ class OffloadCounters:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def counts(self) -> dict:
+        """The counts alone (what a checkpoint keeps): the wall-clock fields (seconds) describe
+        this process's run, and would make two state dicts of the same training differ."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type in ("int", int)}
+
     def load_dict(self, values: dict) -> None:
         for f in dataclasses.fields(self):
             if f.name in values:

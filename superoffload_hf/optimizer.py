@@ -18,10 +18,16 @@ order: the next forward waits for exactly the buckets it reads, and `synchronize
 state-exposing method waits for all). `zero_grad(set_to_none=False)` behaves like
 `set_to_none=True` for managed parameters: their gradients are held by the optimizer, so there
 is no gradient tensor to fill with zeros.
+
+The rest of torch.optim's contract holds as docs/trainer.md "The torch.optim contract" states:
+`optimizer.state[p]` is read-only fp32 copies of the step and moments (a rank's shard under data
+parallelism), state-dict hooks run, `copy.deepcopy` works. A new optimizer built on parameters
+another open one manages takes them over: it closes the older one, with a warning.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from typing import Any, Callable, Mapping, Optional, Union
@@ -29,6 +35,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 
 from superoffload_hf.engine import checkpoint
+from superoffload_hf.engine.checkpoint import ParamStateView
 from superoffload_hf.config import SuperOffloadConfig
 from superoffload_hf.engine.core import Engine
 from superoffload_hf.metrics import OffloadCounters
@@ -42,13 +49,16 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, max_grad_norm: Optional[float] = None,
-                 config: ConfigLike = None, process_group=None, model: Optional[torch.nn.Module] = None):
+                 config: ConfigLike = None, process_group=None, model: Optional[torch.nn.Module] = None,
+                 *, amsgrad: bool = False, maximize: bool = False):
         _check_hyper(lr, betas, eps, weight_decay)
+        _check_unsupported({"amsgrad": amsgrad, "maximize": maximize}, "")
         self._constructing = True
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._constructing = False
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            _check_unsupported(group, f" (param group {index})")
             group["betas"] = tuple(group["betas"])
         self.config = SuperOffloadConfig.coerce(config)
         self.max_grad_norm = max_grad_norm
@@ -59,6 +69,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         self._engine = Engine(self.param_groups, self._adamw, self.config, self.counters, process_group, model=model)
         self._engine.max_grad_norm = self._max_grad_norm
         self._finalizer = weakref.finalize(self, self._engine.close)
+        self.state = ParamStateView(self._engine)  # (torch.optim's dict: read-only copies here)
 
     # ---- torch.optim.Optimizer ------------------------------------------------------------
 
@@ -68,7 +79,14 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
                 "SuperOffload optimizers plan their buffers at construction; add_param_group() after "
                 "that is not supported. Pass every param group to the constructor."
             )
-        super().add_param_group(param_group)
+        super().add_param_group(param_group)  # warns (as torch does) on a parameter repeated in the group
+        group = self.param_groups[-1]
+        firsts = {id(p): i for i, p in reversed(list(enumerate(group["params"])))}
+        if len(firsts) != len(group["params"]):  # managed once, at its first place
+            keep = sorted(firsts.values())
+            group["params"] = [group["params"][i] for i in keep]
+            if "param_names" in group:
+                group["param_names"] = [group["param_names"][i] for i in keep]
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
@@ -84,6 +102,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Release the gradients (see the module docstring for set_to_none=False). Called
         between backward and step(), it discards the accumulated gradients, as in torch."""
+        self._check_not_superseded()  # the parameters' gradients are the newer optimizer's
         self._engine.discard_gradients()
         for group in self.param_groups:
             for p in group["params"]:
@@ -93,14 +112,32 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         """torch.optim's layout (see superoffload_hf.engine.checkpoint). As in torch.optim, the
         state tensors reference the live state (views of the host buffers, no copy): they change
         as training goes on, and writing into them changes the optimizer. `copy.deepcopy` it to
-        keep a snapshot in memory; `torch.save` it to keep one on disk."""
-        return checkpoint.state_dict(self._open_engine(), self.param_groups)
+        keep a snapshot in memory; `torch.save` it to keep one on disk. The hooks registered with
+        `register_state_dict_pre_hook` / `_post_hook` run as in torch.optim."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = checkpoint.state_dict(self._open_engine(), self.param_groups)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, state_dict)
+            if replaced is not None:
+                state_dict = replaced
+        return state_dict
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Any saved layout: a single-process state dict, or every rank's shard state dicts (a
         list, e.g. `superoffload_hf.engine.shard_checkpoint.read_shards(dir)`) saved by any number
-        of ranks; under data parallelism each rank reads only its own ranges."""
-        checkpoint.load_state_dict(self._open_engine(), self.param_groups, state_dict)
+        of ranks; under data parallelism each rank reads only its own ranges. The hooks registered
+        with `register_load_state_dict_pre_hook` / `_post_hook` run as in torch.optim (the pre-hooks
+        get a shallow copy of `state_dict`)."""
+        engine = self._open_engine()
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            replaced = pre_hook(self, state_dict)
+            if replaced is not None:
+                state_dict = replaced
+        checkpoint.load_state_dict(engine, self.param_groups, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # ---- data parallelism -----------------------------------------------------------------
 
@@ -216,12 +253,13 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         self._engine.synchronize()
 
     def fetch_weights(self) -> None:
-        """Weight-flow (config `weights`): every unit's weights onto the device now, where they
-        stay until their next use releases them (or step()); nothing when they are stationary.
-        Under data parallelism a fetch is an all-gather: every rank calls this together, so that
-        `model.state_dict()` on one rank (saving from rank 0) then fetches nothing."""
+        """Weight-flow (config `weights`), before saving from rank 0 alone: under data
+        parallelism every rank calls this together; the flowing weights are gathered (unit by
+        unit, onto rank 0's host), so that rank 0's `model.state_dict()` then needs no other
+        rank (the other ranks' state_dict() refuses until the next forward or step). In one
+        process, or with stationary weights, nothing to do: the state dict reads the host copies."""
         if self._engine.flow is not None and not self._engine.closed:  # (closed: the weights are back)
-            self._engine.flow.fetch_all()
+            self._engine.flow.prepare_state_dict()
 
     def write_timeline(self) -> dict:
         """Write the step timeline now, if the config asks for one (`timeline_dir`): trace.json
@@ -235,10 +273,47 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         self._finalizer()
 
     def _open_engine(self) -> Engine:
+        self._check_not_superseded()
         if self._engine.closed:
             raise RuntimeError("This SuperOffload optimizer was closed (close(), or the `with` block ended): its "
                                "state is freed. Build a new optimizer (load a state_dict taken before close()).")
         return self._engine
+
+    def _check_not_superseded(self) -> None:
+        if self._engine.superseded:
+            raise RuntimeError("This SuperOffload optimizer's parameters were taken over by a newer SuperOffload "
+                               "optimizer built on them, which closed this one (hooks removed, state freed). "
+                               "Step the newer optimizer; to keep training with this one's state, load a "
+                               "state_dict taken before the newer one was built into it.")
+
+    def __deepcopy__(self, memo: dict) -> "_SuperOffloadOptimizer":
+        """An independent optimizer over deep copies of the parameters (shared with a model
+        copied in the same `deepcopy` call, through `memo`), with this one's state, settings,
+        counters and torch.optim hooks."""
+        engine = self._open_engine()
+        if engine.dp is not None or engine.flow is not None:
+            raise RuntimeError(
+                "copy.deepcopy of a SuperOffload optimizer is not supported under "
+                + ("data parallelism (building the copy is a collective)" if engine.dp is not None else
+                   "weight-flow (the flowing parameters hold no weights on the device)")
+                + ": build a new optimizer on the copied model and load this one's state_dict() into it.")
+        if engine.has_pending_gradients():
+            raise RuntimeError("copy.deepcopy of a SuperOffload optimizer between backward and step(): its gradients "
+                               "are held in its buffers and would not be copied. Copy it after step() or zero_grad().")
+        engine.collector.release_held()  # (placeholders of gradients already stepped: a plain tensor copies .grad)
+        state = self.state_dict()
+        groups = copy.deepcopy(self.param_groups, memo)
+        defaults = {k: v for k, v in self.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
+        twin = type(self)(groups, **defaults, max_grad_norm=self.max_grad_norm, config=copy.deepcopy(self.config, memo))
+        memo[id(self)] = twin
+        twin.load_state_dict(state)  # (copies: the twin's buffers are its own)
+        twin.counters.load_dict(self.counters.as_dict())
+        twin.last_grad_norm, twin.last_step_skipped = self.last_grad_norm, self.last_step_skipped
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(twin, name, copy.copy(getattr(self, name)))
+        return twin
 
     def __enter__(self):
         return self
@@ -260,12 +335,27 @@ class SuperOffloadAdam(_SuperOffloadOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: Optional[float] = None,
-                 config: ConfigLike = None, process_group=None, model: Optional[torch.nn.Module] = None):
+                 config: ConfigLike = None, process_group=None, model: Optional[torch.nn.Module] = None,
+                 *, amsgrad: bool = False, maximize: bool = False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, config=config, process_group=process_group, model=model)
+                         max_grad_norm=max_grad_norm, config=config, process_group=process_group, model=model,
+                         amsgrad=amsgrad, maximize=maximize)
+
+
+def _check_unsupported(options: Mapping[str, Any], where: str) -> None:
+    """torch.optim.Adam(W) options this optimizer does not implement: refused when asked for."""
+    for name, instead in (("amsgrad", "use torch.optim.AdamW(amsgrad=True) for AMSGrad"),
+                          ("maximize", "minimize the negated objective instead")):
+        if options.get(name, False):
+            raise ValueError(f"`{name}` is {options[name]!r}{where}; SuperOffload optimizers support only "
+                             f"{name}=False: {instead}.")
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"`lr` is a tensor of {lr.numel()} elements; a Tensor lr must be 1-element.")
+    if len(tuple(betas)) == 2 and sum(isinstance(b, torch.Tensor) for b in betas) == 1:
+        raise ValueError(f"`betas` is {betas!r}; betas must be either both floats or both Tensors (as in torch.optim).")
     if not float(lr) >= 0.0:
         raise ValueError(f"`lr` is {lr!r}; expected a number >= 0.")
     if len(tuple(betas)) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):

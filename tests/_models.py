@@ -169,9 +169,10 @@ def offload_step(model: torch.nn.Module, opt, batches: list[dict], max_grad_norm
 
 def read_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The parameters, read the documented way: `model.state_dict()` first waits for the
-    copy-backs still on the way (on an asynchronous device they land after step() returns)."""
-    model.state_dict(keep_vars=True)
-    return dict(model.named_parameters())
+    copy-backs still on the way (on an asynchronous device they land after step() returns); under
+    weight-flow its entries are host copies of the flowing weights (the parameters are released)."""
+    state = model.state_dict(keep_vars=True)
+    return {name: state[name] for name, _ in model.named_parameters()}
 
 
 def params_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -178,7 +178,10 @@ def test_resume_without_optimizer_state_is_refused_before_loading_unless_weights
         assert main(args) == 2
     err = capsys.readouterr().err
     assert "checkpoint-3': it has no optimizer.pt" in err and "--training.resume_weights_only true" in err
-    assert main([*args, "--training.resume_weights_only", "true"]) == 0
+    assert main([*args, "--training.resume_weights_only", "true"]) == 2  # from step 0 among its checkpoints
+    assert "A weights-only resume starts again at step 0" in capsys.readouterr().err
+    assert main([*args, "--training.resume_weights_only", "true", "--training.resume_from_checkpoint",
+                 str(out / "checkpoint-3"), "--training.output_dir", str(tmp_path / "weights_only")]) == 0
     printed = capsys.readouterr().out
     assert "the model weights only (fresh optimizer and schedule, step 0)" in printed
     assert re.search(r"steps\s+2 \(global step 2\)", printed), printed

@@ -252,3 +252,55 @@ def test_a_successful_save_replaces_the_checkpoint_of_the_same_step(tmp_path):
     save_checkpoint_keeping_previous(save, tmp_path, 4)
     assert files_of(tmp_path / "checkpoint-4") == {"model.safetensors": b"new"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+
+
+# ---- a resume that does not continue the step count ---------------------------------------------
+
+
+def files_under(directory: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def train_flags_of_the_weights_only_fix(message: str) -> list[str]:
+    """The `--training.*` flags of the weights-only fix a message names for `superoffload train`."""
+    (fix,) = [span for span in re.findall(r"`([^`]*)`", message) if "--training.resume_weights_only" in span]
+    return fix.split()
+
+
+def test_following_the_weights_only_fix_for_a_corrupt_optimizer_state_leaves_every_checkpoint_as_it_was(
+        tmp_path, capsys):
+    """The report: checkpoints 10/20/30/40 (save_total_limit 4), optimizer.pt of checkpoint-40 cut
+    short; the error's weights-only fix, followed as written, restarted at step 0 into the same
+    directory and overwrote checkpoint-10 and checkpoint-20 (the tiny recipe, smaller: SMALL)."""
+    from superoffload_hf.integrations.resume import checkpoints_newest_first
+
+    out = tmp_path / "out"
+    run = ["train", TINY, *SMALL, "--training.max_steps", "40", "--training.save_steps", "10",
+           "--training.save_total_limit", "4", "--training.output_dir", str(out)]
+    assert main(run) == 0, capsys.readouterr().err[-3000:]
+    assert [p.name for p in checkpoints_newest_first(out)] == [f"checkpoint-{n}" for n in (40, 30, 20, 10)]
+    optimizer = out / "checkpoint-40" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:-40])
+    before = files_under(out)
+    capsys.readouterr()
+
+    assert main([*run, "--training.resume_from_checkpoint", "true"]) == 2
+    err = capsys.readouterr().err
+    assert f"{optimizer} is corrupt" in err, err
+    fix = train_flags_of_the_weights_only_fix(err)
+    code = main([*run, "--training.resume_from_checkpoint", "true", *fix, "--training.max_steps", "10"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-3000:]
+    after = files_under(out)
+    assert sorted(after) == sorted(before), sorted(set(after) ^ set(before))
+    assert [p for p in before if after[p] != before[p]] == []
+    assert f"resuming from {out / 'checkpoint-40'}: the model weights only" in printed.out
+    new_dir = Path(fix[fix.index("--training.output_dir") + 1])
+    assert new_dir != out and (new_dir / "checkpoint-10" / "trainer_state.json").is_file()
+
+    # the same resume into the run's own directory is refused, before anything loads
+    assert main([*run, "--training.resume_from_checkpoint", "true", "--training.resume_weights_only", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "starts again at step 0" in err, err
+    assert f"--training.output_dir {new_dir}" not in err and f"--training.output_dir {out}_" in err
+    assert files_under(out) == before

@@ -569,6 +569,79 @@ def test_saving_from_rank_0_alone_after_fetch_weights_on_every_rank_fetches_noth
     assert zero["digest"] is not None and zero["fetches_in_state_dict"] == 0 == one["fetches_in_state_dict"]
 
 
+# ---- the model's state dict under data parallel weight-flow (issue 28 item 1) ----------------------
+#
+# `model.state_dict()` on every rank together gathers each unit (a collective) and every rank gets
+# the whole dict as host tensors; after `fetch_weights()` on every rank, rank 0's state_dict()
+# needs no other rank (were it a collective, rank 0 would wait for rank 1 until the deadline) and
+# rank 1's refuses, naming rank 0. Loaded on every rank into a fresh model and optimizer, it
+# continues bit-identically with the run it was saved from.
+def _flow_state_dict_under_data_parallelism(rank, world):
+    import torch
+    import torch.distributed
+
+    from superoffload_hf import SuperOffloadAdamW
+    from _dp_train import engine_config, micro_batches, tiny_llama
+
+    def make(weights):
+        model = tiny_llama()
+        return model, SuperOffloadAdamW(model.parameters(), lr=1e-2, model=model,
+                                        config=engine_config(device_buckets=0, weights=weights))
+
+    def step(model, opt, k):
+        model(**micro_batches(10 * k + rank)[0]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def same(a, b):
+        return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    out = {}
+    model, opt = make("stationary")
+    with opt:
+        step(model, opt, 0)
+        want = {name: value.clone() for name, value in model.state_dict().items()}
+    model, opt = make("flow")
+    with opt:
+        step(model, opt, 0)
+        together = model.state_dict()  # every rank
+        out["together"] = same(together, want)
+        out["released"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+        opt.fetch_weights()
+        if rank == 0:
+            out["rank0_alone"] = same(model.state_dict(), want)
+        else:
+            try:
+                model.state_dict()
+                out["other_rank"] = None
+            except RuntimeError as error:
+                out["other_rank"] = str(error)
+        saved_opt = [None] * world
+        torch.distributed.all_gather_object(saved_opt, opt.state_dict())  # every rank's shard
+        step(model, opt, 1)
+        continued = model.state_dict()
+    model, opt = make("flow")
+    with opt:
+        model.load_state_dict(together)  # every rank: each writes its shard of the host copies
+        out["loaded"] = same(model.state_dict(), together)
+        opt.load_state_dict(saved_opt)
+        step(model, opt, 1)
+        out["resumed"] = same(model.state_dict(), continued)
+    return out
+
+
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "sim"])
+def test_the_model_state_dict_under_data_parallel_flow_is_whole_on_every_rank_or_on_rank_0_after_fetch_weights(sim):
+    results = run_ranks(_flow_state_dict_under_data_parallelism, 2, deadline_s=150,
+                        env={"SUPEROFFLOAD_SIM_DEVICE": "1"} if sim else None)
+    for rank, result in enumerate(results):
+        assert result["together"] and result["released"], (rank, result)
+        assert result["loaded"] and result["resumed"], (rank, result)
+    assert results[0]["rank0_alone"], results[0]
+    message = results[1]["other_rank"]
+    assert message is not None and "rank 0" in message and "every rank together" in message, message
+
+
 # ---- "auto" under data parallelism: one decision for every rank -----------------------------------
 #
 # The simulated device of rank 1 holds the weights but not the engine's device buffers as well,

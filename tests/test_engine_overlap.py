@@ -13,7 +13,7 @@ from superoffload_hf.engine import stepper
 from superoffload_hf.engine.core import auto_host_threads
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy
 
-from _models import engine_config, micro_batches, tiny_llama
+from _models import engine_config, micro_batches, tiny_batch, tiny_llama
 
 pytestmark = [pytest.mark.usefixtures("device_mode"), pytest.mark.timeout(120)]
 
@@ -83,3 +83,35 @@ def test_the_device_norm_is_summed_in_chunks_with_the_same_value(monkeypatch):
     chunked = float(stepper.sum_squares_on_device(flat))
     assert max(seen) <= 1000  # never an fp64 copy of the whole bucket
     assert chunked == pytest.approx(whole, rel=1e-12)
+
+
+def test_speculation_on_says_once_when_rollbacks_dominate_and_what_to_set(caplog):
+    """The shipped CPU launch config had `speculation: on`: run_clm.py rolled back 29 of 30 steps
+    (every step clipped) without a word. Here every step's norm is just above max_grad_norm, so the
+    clip shows only after most buckets were stepped speculatively, and they roll back."""
+    model = tiny_llama(num_layers=2)
+    batch = tiny_batch()
+    model(**batch).loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    model.zero_grad()
+    config = engine_config(speculation="on", speculation_window=4, device_buckets=0)
+    with SuperOffloadAdamW(model.parameters(), lr=1e-6, max_grad_norm=0.95 * norm, config=config) as opt:
+        with caplog.at_level("WARNING", logger="superoffload_hf"):
+            for _ in range(6):
+                model(**batch).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        assert opt.counters.rollbacks >= 5, opt.counters
+    said = [r.getMessage() for r in caplog.records if "rolled back and redone" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith('superoffload: speculation "on": 4 of the last 4 steps were rolled back and redone'), said
+    assert "set `speculation: auto`" in said[0] and "or `speculation: off`" in said[0], said
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_only_speculation_on_warns_about_rollbacks(mode, caplog):
+    policy = SpeculationPolicy(mode, window=2, max_rollback_rate=0.25)
+    with caplog.at_level("WARNING", logger="superoffload_hf"):
+        for _ in range(4):
+            policy.record(Decision("clip", 2.0, 0.5), speculated=True, rolled_back=True)
+    assert caplog.records == []

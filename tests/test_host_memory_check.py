@@ -5,6 +5,9 @@ budget, and strict pinned mode (testing/host_memory.py, sim.py)."""
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +16,9 @@ from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import SIM_ENV_VAR
 from superoffload_hf.device.transfer import Transfer
 from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.host_limit import HostMemoryError, cgroup_left, replan_transient
+from superoffload_hf.config import ConfigError, SuperOffloadConfig
+from superoffload_hf.engine import host_limit
+from superoffload_hf.engine.host_limit import HostMemoryError, cgroup_left, host_memory_left, replan_transient
 from superoffload_hf.engine.memory import BufferPolicy, Ledger
 from superoffload_hf.testing.host_memory import SimHostMemory, SimHostMemoryError, pinned_block_bytes
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime
@@ -97,6 +102,78 @@ def test_cgroup_v1_limit_is_read_and_its_no_limit_value_ignored(tmp_path):
     assert cgroup_left(str(tmp_path / "proc"), str(tmp_path / "cg"))[0] == 4000
     (tmp_path / "none").write_text("0::/\n")
     assert cgroup_left(str(tmp_path / "none"), str(tmp_path / "nothing")) is None
+
+
+GIB = 2**30
+
+
+@pytest.fixture
+def vm_host(tmp_path, monkeypatch):
+    """A VM whose memory grows as it is used (the GPU machine): MemTotal 128 GiB, MemAvailable
+    only 2 GiB, no cgroup limit, two processes resident (1 GiB and 3 GiB), heuristic overcommit."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {128 * GIB // 1024} kB\nMemFree:        {GIB // 1024} kB\n"
+                       f"MemAvailable:   {2 * GIB // 1024} kB\nCommitLimit:    {64 * GIB // 1024} kB\n"
+                       f"Committed_AS:   {63 * GIB // 1024} kB\n")
+    for pid, resident in (("1", GIB), ("42", 3 * GIB)):
+        (tmp_path / "proc" / pid).mkdir(parents=True)
+        (tmp_path / "proc" / pid / "statm").write_text(f"9999999 {resident // page} 0 0 0 0 0\n")
+    (tmp_path / "proc" / "self").mkdir()  # not a pid: not counted twice
+    (tmp_path / "cgroup").write_text("0::/\n")
+    (tmp_path / "overcommit").write_text("0\n")
+    for name, value in (("MEMINFO", meminfo), ("PROC", tmp_path / "proc"), ("PROC_SELF_CGROUP", tmp_path / "cgroup"),
+                        ("CGROUP_ROOT", tmp_path / "no-cgroup-fs"), ("OVERCOMMIT", tmp_path / "overcommit")):
+        monkeypatch.setattr(host_limit, name, str(value))
+    return tmp_path
+
+
+def test_on_a_vm_that_grows_its_memory_memavailable_does_not_bind_memtotal_less_every_resident_does(vm_host):
+    left, source = host_memory_left(None)
+    assert left == 124 * GIB
+    assert source == (f"MemTotal in {vm_host / 'meminfo'} (128.00 GiB) less the resident memory of every process "
+                      "(4.00 GiB)")
+
+
+def test_under_strict_overcommit_the_commit_limit_binds(vm_host):
+    (vm_host / "overcommit").write_text("2\n")
+    left, source = host_memory_left(None)
+    assert left == GIB and source.startswith(f"CommitLimit in {vm_host / 'meminfo'} (64.00 GiB) less Committed_AS "
+                                             "(63.00 GiB) under strict overcommit")
+
+
+def _tiny_machine(vm_host, total_bytes):
+    (vm_host / "meminfo").write_text(f"MemTotal: {total_bytes // 1024} kB\nMemAvailable: {total_bytes // 1024} kB\n")
+    for pid in ("1", "42"):
+        (vm_host / "proc" / pid / "statm").write_text("1 0 0 0 0 0 0\n")
+
+
+@pytest.mark.usefixtures("device_mode")
+def test_a_refused_preflight_names_the_figure_it_used_and_an_explicit_budget_wins(vm_host):
+    _tiny_machine(vm_host, 64 * 1024)  # a machine of 64 KiB: nothing fits
+    with pytest.raises(HostMemoryError) as raised:
+        SuperOffloadAdamW(mlp().parameters(), lr=1e-3, config=SIM_CONFIG)
+    assert (f"more, the figure used: MemTotal in {vm_host / 'meminfo'} (0.00 GiB) less the resident memory of every "
+            "process (0.00 GiB). Nothing has been allocated.") in str(raised.value)
+    assert "`host_memory_budget`" in str(raised.value)  # among the fixes
+    # the user's budget replaces what the machine says, both ways
+    resident = host_limit.own_resident()
+    with SuperOffloadAdamW(mlp().parameters(), lr=1e-3, config={**SIM_CONFIG, "host_memory_budget": resident + GIB}):
+        pass
+    with pytest.raises(HostMemoryError) as raised:
+        SuperOffloadAdamW(mlp().parameters(), lr=1e-3, config={**SIM_CONFIG, "host_memory_budget": resident + 1000})
+    assert re.search(r"more, the figure used: `host_memory_budget` \(\d+\.\d\d GiB\) less this process's resident "
+                     r"memory \(\d+\.\d\d GiB\)\. Nothing", str(raised.value)), str(raised.value)
+
+
+def test_the_host_memory_budget_takes_bytes_or_a_size_with_a_unit_and_refuses_anything_else():
+    assert SuperOffloadConfig(host_memory_budget="100GB").host_memory_budget == 100 * 10**9
+    assert SuperOffloadConfig(host_memory_budget="96 GiB").host_memory_budget == 96 * GIB
+    assert SuperOffloadConfig(host_memory_budget=12345).host_memory_budget == 12345
+    assert SuperOffloadConfig().host_memory_budget is None
+    for bad in ("lots", "-1GB", 0, True, "12 parsecs"):
+        with pytest.raises(ConfigError, match=r"`host_memory_budget` is .*expected a positive number of bytes"):
+            SuperOffloadConfig(host_memory_budget=bad)
 
 
 def test_a_plan_over_the_host_budget_is_refused_with_its_table_before_anything_is_allocated(sim):

@@ -112,6 +112,19 @@ def test_auto_mode_with_a_failing_build_warns_once_and_uses_the_reference(failin
         assert kernel.get_host_adam("auto").name == "reference"
 
 
+def test_a_required_kernel_makes_auto_fail_loudly_instead_of_falling_back(failing_compiler, monkeypatch):
+    monkeypatch.setenv(kernel.REQUIRE_KERNEL_ENV, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either: an error
+        with pytest.raises(kernel.KernelBuildError, match="(?s)failed.*deliberate failure"):
+            kernel.get_host_adam("auto")
+    monkeypatch.setenv(kernel.FORCE_REFERENCE_ENV, "1")
+    with pytest.raises(kernel.KernelBuildError, match="SUPEROFFLOAD_FORCE_REFERENCE and SUPEROFFLOAD_REQUIRE_KERNEL "
+                                                      "are both set"):
+        kernel.get_host_adam("cpp")
+    assert kernel.get_host_adam("reference").name == "reference"  # asked for by name: no fallback
+
+
 def test_missing_compiler_error_says_to_install_one(fresh_loader, monkeypatch):
     monkeypatch.setenv("CXX", str(fresh_loader / "no-such-compiler"))
     with pytest.raises(kernel.KernelBuildError, match="Install g\\+\\+"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import transformers
 import yaml
 from accelerate.commands.config import load_config_from_file
 
+from superoffload_hf import device
 from superoffload_hf.engine.shard_checkpoint import shard_files
 from superoffload_hf.integrations import autopatch, launch_env, launcher
 from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptimizer
@@ -124,7 +126,7 @@ def test_the_block_carries_state_precision_and_compact_is_refused_without_bf16(t
 
 
 def test_launcher_accepts_several_processes_and_machines(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # GPUs: accelerate starts the processes itself
+    monkeypatch.setattr(device, "accelerator_count", lambda: 8)  # GPUs: accelerate starts the processes itself
     path = write_config(tmp_path, {"speculation": "on"})
     plan = launcher.plan_launch(["--config_file", str(path), "--num_processes", "4", "--num_machines", "2",
                                  "--machine_rank", "1", "train.py"])
@@ -134,7 +136,7 @@ def test_launcher_accepts_several_processes_and_machines(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flag", [["--sequence_parallel_size", "2"], ["--sequence_parallel_size=2"]])
 def test_sequence_parallel_size_flag_goes_into_the_block_and_must_divide_the_processes(tmp_path, monkeypatch, capsys,
                                                                                        flag):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(device, "accelerator_count", lambda: 8)
     path = write_config(tmp_path, {"speculation": "on"})
     plan = launcher.plan_launch(["--config_file", str(path), *flag, "--num_processes", "4", "train.py",
                                  "--sequence_parallel_size", "9"])
@@ -150,7 +152,7 @@ def test_sequence_parallel_size_flag_goes_into_the_block_and_must_divide_the_pro
 @pytest.mark.parametrize("processes", [["--num_processes", "2"], ["--num_processes=2"]])
 def test_several_processes_without_gpus_are_started_with_the_multi_process_launcher(tmp_path, monkeypatch, processes,
                                                                                    capsys):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(device, "accelerator_count", lambda: 0)
     plan = launcher.plan_launch(["--config_file", str(CPU_CONFIG), *processes, "train.py"])
     assert plan.accelerate_args == [*processes, "--multi_gpu"]
     assert "starting 2 CPU processes" in capsys.readouterr().err
@@ -158,7 +160,7 @@ def test_several_processes_without_gpus_are_started_with_the_multi_process_launc
 
 
 def test_several_processes_with_cpu_flag_are_refused_with_the_fix(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(device, "accelerator_count", lambda: 0)
     assert launcher.main(["--cpu", "--num_processes", "2", "train.py"]) == 2
     err = capsys.readouterr().err
     assert "`--cpu` starts one process, but `--num_processes` is 2. Drop `--cpu`" in err and "superoffload_cpu.yaml" in err
@@ -231,14 +233,16 @@ def test_the_readme_launch_example_trains_an_unmodified_stock_trainer_script_wit
     assert len(records) == 3
     for record in records:
         assert record["grad_norm"] > 0 and LOG_PREFIX + "rollbacks" in record
-    assert records[-1][LOG_PREFIX + "speculative_steps"] >= 1  # the block's speculation: "on" arrived
+    # the shipped block's speculation: auto arrived (it never speculates on the CPU device, where
+    # nothing overlaps; test_a_corrupt_checkpoint_... launches with "on")
+    assert "speculation auto" in streams.err and records[-1][LOG_PREFIX + "speculative_steps"] == 0
     # The host Adam's pool follows the block's host_threads: 2, not OMP_NUM_THREADS=1.
     assert "reference/none x2 threads" in streams.err
 
 
 def test_launch_with_two_processes_on_a_machine_without_gpus_trains_two_data_parallel_ranks(tmp_path, monkeypatch,
                                                                                            capfd):
-    if torch.cuda.device_count() > 0:
+    if device.accelerator_count() > 0:
         pytest.skip("a machine with GPUs: accelerate starts the processes itself")
     output = tmp_path / "out"
     for name, value in child_env().items():
@@ -253,3 +257,65 @@ def test_launch_with_two_processes_on_a_machine_without_gpus_trains_two_data_par
     assert [Path(f).name for f in shard_files(str(output / "checkpoint-2"))] == [
         "optimizer.shard-00000-of-00002.pt", "optimizer.shard-00001-of-00002.pt"]
     assert "data parallel rank 1/2" in streams.err
+
+
+def test_the_shipped_cpu_config_does_not_speculate_always():
+    """With `speculation: on`, run_clm.py on the CPU rolled back 29 of its 30 steps (each clipped)."""
+    assert launcher.plan_launch(["--config_file", str(CPU_CONFIG), "train.py"]).superoffload["speculation"] == "auto"
+
+
+def files_under(directory: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def train_stock_checkpoints(out: Path, monkeypatch) -> None:
+    """checkpoint-2 and checkpoint-4 of the stock script's model, trained here by its own main()."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stock_trainer_script", STOCK_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", [str(STOCK_SCRIPT), "--output_dir", str(out), "--max_steps", "4", "--save_steps",
+                                      "2", "--per_device_train_batch_size", "2", "--report_to", "none", "--use_cpu",
+                                      "--disable_tqdm", "true"])
+    script.main()
+
+
+def test_a_corrupt_checkpoint_under_launch_ends_the_output_with_one_line_whose_fix_works_with_a_stock_script(
+        tmp_path, monkeypatch, capfd):
+    """The launcher route printed 120 lines ending in a traceback, and named `--resume_weights_only`,
+    which a stock script's argument parser refuses. The fix it names now is a field of the
+    `superoffload:` block plus the script's own flags; it trains from the weights, into a new directory."""
+    out = tmp_path / "out"
+    train_stock_checkpoints(out, monkeypatch)
+    checkpoint, optimizer = out / "checkpoint-4", out / "checkpoint-4" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:-40])
+    before = files_under(out)
+    for name, value in child_env(OMP_NUM_THREADS="1").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    block = {"host_kernel": "reference", "host_threads": 2, "speculation": "on"}
+    script = [str(STOCK_SCRIPT), "--max_steps", "3", "--save_steps", "3", "--per_device_train_batch_size", "2",
+              "--logging_steps", "1", "--report_to", "none", "--use_cpu", "--disable_tqdm", "true"]
+    capfd.readouterr()
+
+    code = launcher.main(["--config_file", str(write_config(tmp_path, block)), *script, "--output_dir", str(out),
+                          "--resume_from_checkpoint", str(checkpoint)])
+    streams = capfd.readouterr()
+    assert code == 1, streams.err[-3000:]
+    assert "Traceback" not in streams.out + streams.err, streams.err[-5000:]
+    last = streams.err.rstrip("\n").splitlines()[-1]
+    assert last.startswith(f"superoffload launch: error: Cannot resume from '{checkpoint}': {optimizer} is corrupt"), last
+    assert "--resume_weights_only" not in last and "`resume_weights_only: true` in the `superoffload:` block" in last
+    fix = re.search(r"give the script `([^`]*)`", last).group(1).split()
+
+    code = launcher.main(["--config_file", str(write_config(tmp_path, {**block, "resume_weights_only": True})),
+                          *script, *fix])
+    streams = capfd.readouterr()
+    assert code == 0, streams.err[-3000:]
+    assert f"resuming from {checkpoint}: the model weights only (fresh optimizer and schedule, step 0)" in streams.err
+    new_dir = Path(fix[fix.index("--output_dir") + 1])
+    records = [r for r in json.loads((new_dir / "trainer_state.json").read_text())["log_history"] if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1][LOG_PREFIX + "speculative_steps"] >= 1  # the block's speculation: "on" arrived
+    assert files_under(out) == before

@@ -191,3 +191,22 @@ def test_the_allocator_settings_written_are_the_users_plus_the_pinning_keys():
     assert pinning_settings(" max_split_size_mb:64 ,", True, 2) == \
         "max_split_size_mb:64,pinned_use_cuda_host_register:True,pinned_num_register_threads:2"
     assert pinning_settings("pinned_use_hip_host_register:True", True, 8) is None
+
+
+def test_switching_the_pinning_method_repeats_the_users_allocator_settings_and_leaves_their_own_choice(monkeypatch):
+    """torch resets the allocator settings a parse does not name (issue 29 item 12): every string
+    the engine hands the parser keeps what the user set, with the register threads rounded down to
+    the power of two torch takes, and a pinning method the user chose is never changed."""
+    from superoffload_hf.engine.pin_method import PinMethod
+
+    runtime, torch_settings = _cuda_runtime_with(monkeypatch, "expandable_segments:True,max_split_size_mb:128")
+    with PinMethod(True, 6, "test").applied(runtime):
+        pass
+    user = "expandable_segments:True,max_split_size_mb:128"
+    assert torch_settings.writes == [user + ",pinned_use_cuda_host_register:True,pinned_num_register_threads:4",
+                                     user + ",pinned_use_cuda_host_register:False"]
+    user = "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"
+    runtime, torch_settings = _cuda_runtime_with(monkeypatch, user)
+    with PinMethod(True, 6, "test").applied(runtime):
+        assert not runtime.host_register(False)
+    assert torch_settings.writes == []

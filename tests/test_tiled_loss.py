@@ -100,6 +100,7 @@ def test_the_tiled_loss_reads_nothing_on_the_host_in_forward_or_backward():
     assert_close(loss, expected)
     for g, e in zip(grads, _grads(expected, (hidden, weight, bias))):
         assert_close(g, e)
+    assert torch.equal(grads[0][0], torch.zeros_like(grads[0][0]))  # the ignored sequence's rows
 
 
 def test_every_label_ignored_is_nan_as_torch_with_zero_gradients():
@@ -189,3 +190,15 @@ def test_a_model_with_logit_softcapping_is_refused():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         apply_tiled_loss(model)
+
+
+def test_the_tiled_forward_keeps_the_model_forward_signature():
+    """A Trainer keeps the dataset columns the forward's signature names (a second Trainer on a
+    model an earlier one tiled dropped `input_ids` when the signature was (*args, **kwargs))."""
+    import inspect
+
+    model = tiny_llama(num_layers=1)
+    own = inspect.signature(model.forward)
+    apply_tiled_loss(model)
+    assert inspect.signature(model.forward) == own
+    assert "input_ids" in inspect.signature(model.forward).parameters

@@ -149,3 +149,14 @@ def test_the_engine_trains_the_tiled_model_like_the_untiled_one(weights, checkpo
     expected, got = _train_with(False, "stationary", False), _train_with(True, weights, checkpointing)
     for name, value in expected.items():
         assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_model_tiled_by_an_earlier_optimizer_is_kept_as_it_is():
+    """A second optimizer (a second Trainer) on the same model: its tiling stays, no error."""
+    model = tiny_llama(num_layers=1)
+    config = SuperOffloadConfig(tiled_loss="on", tiled_mlp="on")
+    prepare_tiling(model, config, True, lambda: 0)
+    forwards = (model.forward, [layer.mlp.forward for layer in model.model.layers])
+    assert prepare_tiling(model, config, True, lambda: 0) is None
+    assert is_tiled_loss(model) and is_tiled_mlp(model)
+    assert (model.forward, [layer.mlp.forward for layer in model.model.layers]) == forwards

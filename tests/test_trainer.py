@@ -112,9 +112,9 @@ def assert_same_training(stock: FinishedRun, offload: Trainer) -> None:
         expected = torch.tensor([record[key] for record in stock_logs], dtype=torch.float64)
         actual = torch.tensor([record[key] for record in offload_logs], dtype=torch.float64)
         torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=f"logged {key}")
-    offload.model.state_dict()  # the documented read (weight-flow: fetches the units)
-    for (name, expected), (_, actual) in zip(stock.params, offload.model.named_parameters()):
-        torch.testing.assert_close(actual.detach(), expected, rtol=RTOL, atol=ATOL, msg=name)
+    state = offload.model.state_dict()  # the documented read (weight-flow: host copies of the flowing weights)
+    for (name, expected), (actual_name, _) in zip(stock.params, offload.model.named_parameters()):
+        torch.testing.assert_close(state[actual_name].detach(), expected, rtol=RTOL, atol=ATOL, msg=name)
 
 
 # ---- training matches the stock Trainer ----------------------------------------------------------
@@ -146,11 +146,18 @@ def test_weight_flow_under_the_trainer_matches_stock_adamw(tmp_path):
     optimizer = unwrap_optimizer(offload.optimizer)
     assert "weights flow: 5 units" in optimizer.describe()
     assert_same_training(stock, offload)
-    optimizer._engine.flow.release_resident()
     fetched, calls, fetch_weights = optimizer.counters.weight_fetches, [], optimizer.fetch_weights
     optimizer.fetch_weights = lambda: calls.append(1) or fetch_weights()
-    offload.save_model(str(tmp_path / "saved"))  # every rank fetches (data parallel: gathers), then rank 0 writes
-    assert calls == [1] and optimizer.counters.weight_fetches == fetched + 5
+    offload.save_model(str(tmp_path / "saved"))  # every rank calls it (data parallel: gathers), then rank 0 writes
+    # one process: the state dict holds the host copies, nothing is fetched onto the device
+    assert calls == [1] and optimizer.counters.weight_fetches == fetched
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    masters = optimizer.state_dict()["state"]
+    name_of = {id(p): name for name, p in offload.model.named_parameters()}
+    for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        assert torch.equal(saved[name_of[id(p)]], masters[i]["master_param"]), name_of[id(p)]
 
 
 @pytest.mark.slow
@@ -363,8 +370,11 @@ def test_resume_without_the_optimizer_state_is_refused_unless_weights_only_is_as
         train(make_args(tmp_path, "interrupted", **overrides), resume=str(checkpoint))
     with pytest.raises(ResumeError, match=r"has no optimizer.pt"):  # `True` too: the newest complete one
         train(make_args(tmp_path, "interrupted", **overrides), resume=True)
+    # From step 0 among the run's checkpoints (its saves would replace them): refused, naming a new directory.
+    with pytest.raises(ResumeError, match=r"weights-only resume starts again at step 0.*output_dir=.*interrupted_2"):
+        train(make_args(tmp_path, "interrupted", resume_weights_only=True, **overrides), resume=str(checkpoint))
     # Deliberately: the weights of step 4, then 8 fresh steps (the dropped state changes the result).
-    resumed = train(make_args(tmp_path, "interrupted", resume_weights_only=True, **overrides), resume=str(checkpoint))
+    resumed = train(make_args(tmp_path, "weights_only", resume_weights_only=True, **overrides), resume=str(checkpoint))
     assert resumed.state.global_step == 8 and train_logs(resumed)[0]["step"] == 1
     differs = [not torch.equal(a, b) for (_, a), b in zip(uninterrupted.params, resumed.model.parameters())]
     assert any(differs)
@@ -383,6 +393,36 @@ def test_a_stock_trainer_patched_by_the_launcher_refuses_missing_optimizer_state
     SuperOffloadHooks(trainer, SuperOffloadPlugin(**SPECULATE)).bind_to_trainer()  # what autopatch does
     with pytest.raises(ResumeError, match=r"checkpoint-4': it has no optimizer.pt"):
         trainer.train(resume_from_checkpoint=True)
+
+
+def test_a_run_from_step_0_into_a_directory_of_checkpoints_is_refused_before_it_trains(tmp_path):
+    """Its checkpoint-2 would replace theirs, and save_total_limit rotate the rest away."""
+    for step in (2, 4):
+        write_checkpoint(tmp_path / "run" / f"checkpoint-{step}", step)
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()}
+    args = make_args(tmp_path, "run", save_strategy="steps", save_steps=2, save_total_limit=1)
+    with pytest.raises(ResumeError, match=r"^This run starts at step 0: .*\(checkpoint-4, checkpoint-2\)\. Resume that run"):
+        train(args)
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()} == before
+
+
+def test_a_stock_trainer_takes_resume_weights_only_from_the_superoffload_block(tmp_path, caplog, straight_run):
+    """What a stock script under `superoffload launch` has: its parser knows no `--resume_weights_only`."""
+    import transformers
+
+    from superoffload_hf.integrations.accelerate import SuperOffloadPlugin
+    from superoffload_hf.integrations.trainer_hooks import SuperOffloadHooks
+
+    checkpoint = tmp_path / "interrupted" / "checkpoint-4"
+    (checkpoint / "optimizer.pt").write_bytes(b"")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "weights_only"), max_steps=2, use_cpu=True,
+                                          report_to="none", save_strategy="no", per_device_train_batch_size=4)
+    trainer = transformers.Trainer(model=tiny_llama(num_layers=2), args=args, train_dataset=TinyDataset())
+    SuperOffloadHooks(trainer, SuperOffloadPlugin(**SPECULATE, resume_weights_only=True)).bind_to_trainer()
+    with caplog.at_level("INFO", logger="superoffload_hf"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert f"resuming from {checkpoint}: the model weights only" in caplog.text
+    assert trainer.state.global_step == 2
 
 
 def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog, straight_run):

@@ -4,6 +4,7 @@ mutation tests of flow's synchronisations (device/transfer.py FLOW_SYNCS)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -194,7 +195,7 @@ def test_flow_trains_within_a_quarter_of_the_weights_and_matches_torch_adamw_eve
             ref(**batch).loss.backward()
             ref_opt.step()
             ref_opt.zero_grad()
-            state = opt.state_dict()["state"]  # the masters: reading the model would fetch every unit
+            state = opt.state_dict()["state"]  # the fp32 masters
             # atol 1e-5 (a thousandth of a step): one element of layers.4.mlp.up_proj (its two gradients
             # nearly cancel in m / sqrt(v)) is 3.7e-6 off torch from step 1 under stationary on the CPU too
             for i, (name, p) in enumerate(zip(names, ref.parameters())):
@@ -394,3 +395,350 @@ def test_the_timeline_shows_each_units_fetches_on_the_host_to_device_track(tmp_p
     # step 2: each unit fetched for its forward and again for its backward
     for unit in ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"):
         assert fetches.count(f"fetch {unit}") == 2, (unit, " | ".join(fetches))
+
+
+# ---- saving a model larger than the device (issue 28 item 1) -------------------------------------
+#
+# The issue's configuration: a 12-block Llama (vocab 512, hidden 128, intermediate 344, 4 heads,
+# 2 KV heads, untied), fp32, the simulated device's memory a quarter of its weights
+# (SUPEROFFLOAD_SIM_DEVICE_MEMORY), buckets of 0.25 MB, clipping at 1.0. model.state_dict() holds
+# host copies of the flowing weights, gathered unit by unit (nothing fetched onto the device), and
+# load_state_dict writes them back into the host copies the same way.
+
+
+def _issue_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=12,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+
+@pytest.fixture
+def issue_budget_sim(monkeypatch):
+    """The shared simulated device (device 1) with SUPEROFFLOAD_SIM_DEVICE_MEMORY a quarter of the weights."""
+    from superoffload_hf.testing.device_memory import DEVICE_MEMORY_ENV_VAR
+
+    weight_bytes = sum(p.numel() * 4 for p in _issue_llama().parameters())
+    monkeypatch.setenv(DEVICE_MEMORY_ENV_VAR, str(weight_bytes // 4))
+    monkeypatch.setenv(SIM_ENV_VAR, "1")
+    SimRuntime.reset_shared(index=1)
+    with on_device(1):
+        assert SimRuntime.shared().device_memory.total == weight_bytes // 4
+        yield SimRuntime.shared(), weight_bytes
+    errors = list(SimRuntime.shared().errors)
+    SimRuntime.reset_shared()
+    assert not errors, errors
+
+
+def _issue_optimizer(model, weights: str):
+    return SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
+                             config=engine_config(device_buckets=0, bucket_size_mb=0.25, weights=weights))
+
+
+def _issue_steps(model, opt, which) -> None:
+    for step in which:
+        model(**tiny_batch(vocab_size=512, seed=step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@functools.lru_cache(maxsize=1)
+def _issue_uninterrupted() -> dict[str, torch.Tensor]:
+    """The 4 steps without a save, stationary on the CPU device."""
+    model = _issue_llama()
+    with _issue_optimizer(model, "stationary") as opt:
+        _issue_steps(model, opt, range(4))
+        return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("weights", ["flow", "auto"])
+def test_a_model_larger_than_the_device_saves_its_state_dict_and_resumes_bitwise(weights, issue_budget_sim, tmp_path):
+    """Train, save (model.state_dict(), save_pretrained), reload into a fresh model and optimizer,
+    continue: bitwise the uninterrupted run; the saved weights are bitwise the fp32 masters the
+    host Adam trains; the device never holds more than its budget."""
+    sim, weight_bytes = issue_budget_sim
+    with pytest.MonkeyPatch.context() as mp:  # (flow trains bitwise like stationary: the tests above)
+        mp.delenv(SIM_ENV_VAR)
+        want = _issue_uninterrupted()
+    model = _issue_llama()
+    with _issue_optimizer(model, weights) as opt:
+        flowing = [name for name, p in model.named_parameters() if opt._engine.flow.flows(p)]
+        assert flowing, opt.describe()
+        _issue_steps(model, opt, range(2))
+        sim.reset_peak_memory_stats()
+        allocated, fetches = sim.memory_allocated(), opt.counters.weight_fetches
+        saved = model.state_dict()
+        # nothing fetched onto the device: the host copies are read where they are
+        assert opt.counters.weight_fetches == fetches and sim.max_memory_allocated() == allocated
+        masters = opt.state_dict()["state"]
+        params = dict(model.named_parameters())
+        for i, (name, p) in enumerate(params.items()):
+            assert torch.equal(saved[name], masters[i]["master_param"]), name
+            if name in flowing:  # a host copy; the parameter stays released
+                assert saved[name].untyped_storage().nbytes() == p.numel() * 4 and p.untyped_storage().nbytes() == 0
+        torch.save({"model": saved, "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+        model.save_pretrained(tmp_path / "hf")
+        assert sim.max_memory_allocated() <= weight_bytes // 4
+    from transformers import LlamaForCausalLM
+
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    for name, value in saved.items():
+        assert torch.equal(reloaded[name], value), f"save_pretrained: {name}"
+    model = _issue_llama()
+    with _issue_optimizer(model, weights) as opt:
+        ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        for name, value in model.state_dict().items():  # written into the host copies, read back
+            assert torch.equal(value, ckpt["model"][name]), f"after load: {name}"
+        opt.load_state_dict(ckpt["opt"])
+        _issue_steps(model, opt, range(2, 4))
+        got = model.state_dict()
+        assert sim.max_memory_allocated() <= weight_bytes // 4
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{name} differs after the resume"
+
+
+def test_loading_only_the_model_under_flow_lands_in_the_weights_training_uses():
+    """model.load_state_dict() without the optimizer's state (weights only, the optimizer fresh):
+    what the next forward computes with and the next step starts from, as a model that had those
+    weights when its optimizer was built (the fp32 master is the host copy that flows)."""
+    donor = tiny_llama(num_layers=2, seed=7).state_dict()
+    want = tiny_llama(num_layers=2)
+    want.load_state_dict(donor)
+    model = tiny_llama(num_layers=2)
+    with SuperOffloadAdamW(model.parameters(), lr=LR, model=model,
+                           config=engine_config(device_buckets=0, weights="flow")) as opt, \
+            SuperOffloadAdamW(want.parameters(), lr=LR, model=want, config=engine_config(device_buckets=0)) as ref_opt:
+        with torch.no_grad():
+            model(**micro_batches(99)[0])  # (units fetched and released again before the load)
+        model.load_state_dict(donor)
+        _steps_of(model, opt, range(3))
+        _steps_of(want, ref_opt, range(3))
+        got, expected = model.state_dict(), want.state_dict()
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), name
+
+
+@pytest.mark.usefixtures("device_mode")
+@pytest.mark.parametrize("state", ["fp32", "compact"])
+def test_a_bf16_load_under_flow_changes_the_master_only_where_the_value_changes(state):
+    """bf16 weights flow from the host's bf16 copy (fp32 state: the fp32 master behind it; compact:
+    the master's error bits): a load writes the copy, and the master only where the loaded value
+    differs, so loading the weights a step already holds keeps every master bit."""
+    model = tiny_llama(num_layers=2)
+    name = "model.layers.0.mlp.up_proj.weight"
+    with SuperOffloadAdamW(model.parameters(), lr=LR, model=model, config=engine_config(
+            device_buckets=0, weights="flow", device_dtype="bf16", state_precision=state)) as opt:
+        _steps_of(model, opt, range(2))
+        index = [n for n, _ in model.named_parameters()].index(name)
+        before = {i: {k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
+                  for i, entry in opt.state_dict()["state"].items()}
+        saved = model.state_dict()
+        value = saved[name].clone()
+        assert value.dtype == torch.bfloat16
+        value[::2] = (value[::2].float() + 1).bfloat16()
+        model.load_state_dict({**saved, name: value})
+        assert torch.equal(model.state_dict()[name], value)
+        after = opt.state_dict()["state"]
+        changed = (value != saved[name]).reshape(-1)
+        assert 0 < int(changed.sum()) < changed.numel()
+        for i, entry in before.items():
+            for kind, old in entry.items():
+                new = after[i][kind]
+                if i != index or kind not in ("master_param", "master_bf16", "master_err"):
+                    assert torch.equal(new, old), (i, kind)  # the same values loaded: every bit kept
+                    continue
+                new, old = new.reshape(-1), old.reshape(-1)
+                assert torch.equal(new[~changed], old[~changed]), kind
+                if kind == "master_param":
+                    assert torch.equal(new[changed], value.reshape(-1)[changed].float())
+                elif kind == "master_bf16":
+                    assert torch.equal(new, value.reshape(-1))
+                else:
+                    assert not new[changed].any()
+
+
+def _steps_of(model, opt, which) -> None:
+    for step in which:
+        (batch,) = micro_batches(step)
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ---- reading and writing a released parameter (issue 28 item 2) ----------------------------------
+#
+# After step() a flowing parameter's device storage is released (0 bytes behind a full-size
+# tensor). Reading it must give the right values or raise an error naming how to read them; a
+# write must land in the weights training uses or raise. Run in a child process: before the fix
+# the read was a segmentation fault, which would take the test run with it.
+
+_READS = {
+    "detach().float()": lambda p: p.detach().float(),
+    "sum()": lambda p: p.sum(),
+    "clone()": lambda p: p.clone(),
+    "data.clone()": lambda p: p.data.clone(),
+    "cpu().numpy()": lambda p: p.detach().cpu().numpy().copy(),
+    "torch.equal": lambda p: torch.equal(p, torch.zeros_like(p)),
+    "torch.stack([p])": lambda p: torch.stack([p])[0],
+    "_foreach_add([p])": lambda p: torch._foreach_add([p], 0.0)[0],  # (an EMA's foreach ops)
+    "safetensors save": lambda p: __import__("safetensors.torch").torch.load(
+        __import__("safetensors.torch").torch.save({"w": p.detach()}))["w"],
+}
+
+
+def _read_and_write_released_parameters(rank, world, weights):
+    import torch
+
+    from superoffload_hf import SuperOffloadAdamW
+    from _models import engine_config, micro_batches, tiny_llama
+
+    model = tiny_llama(num_layers=2)
+    opt = SuperOffloadAdamW(model.parameters(), lr=1e-2, model=model,
+                            config=engine_config(device_buckets=0, weights=weights))
+    names = [name for name, _ in model.named_parameters()]
+    out = {"reads": {}, "writes": {}}
+
+    def step(k):
+        (batch,) = micro_batches(k)
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    with opt:
+        step(0)
+        p = model.model.layers[0].mlp.up_proj.weight
+        index = names.index("model.layers.0.mlp.up_proj.weight")
+        out["released"] = p.untyped_storage().nbytes() == 0
+        master = opt.state_dict()["state"][index]["master_param"].clone()
+        out["metadata"] = (tuple(p.shape), str(p.dtype), p.numel(), p.requires_grad, p.grad is None)
+        model.to("cpu").float().train()  # no element read: no-ops, as on stationary weights
+        out["num_parameters"] = model.num_parameters()
+        for what, read in _READS.items():
+            try:  # (the read, and the use of what it returned)
+                value = read(p)
+                if isinstance(value, torch.Tensor):
+                    right = torch.equal(value.to(master.dtype), master if value.dim() else master.sum())
+                elif isinstance(value, bool):
+                    right = value == torch.equal(master, torch.zeros_like(master))
+                else:
+                    right = bool((torch.from_numpy(value) == master).all())
+            except RuntimeError as error:
+                out["reads"][what] = ("raised", str(error))
+            else:
+                out["reads"][what] = ("value", right)
+        out["repr"] = repr(p)[:200]
+        writes = {
+            "copy_ under no_grad": lambda p, v: p.copy_(v),
+            "data.copy_": lambda p, v: p.data.copy_(v),
+            "detach().mul_": lambda p, v: p.detach().mul_(0.5),
+        }
+        for k, (what, write) in enumerate(writes.items()):
+            value = torch.full_like(master, 0.25 * (k + 1))
+            before = opt.state_dict()["state"][index]["master_param"].clone()
+            try:
+                with torch.no_grad():
+                    write(p, value)
+            except RuntimeError as error:
+                out["writes"][what] = ("raised", str(error),
+                                       torch.equal(opt.state_dict()["state"][index]["master_param"], before))
+            else:
+                landed = opt.state_dict()["state"][index]["master_param"]
+                expected = value if what != "detach().mul_" else before * 0.5
+                out["writes"][what] = ("landed", torch.equal(landed, expected), step(1 + k))
+    return out
+
+
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "sim"])
+def test_reading_or_writing_a_released_parameter_gives_the_values_or_raises_naming_how(sim):
+    from _dist import run_ranks
+
+    env = {SIM_ENV_VAR: "1"} if sim else {SIM_ENV_VAR: ""}
+    (flow,) = run_ranks(_read_and_write_released_parameters, 1, "flow", env=env, deadline_s=120)
+    (stationary,) = run_ranks(_read_and_write_released_parameters, 1, "stationary", env=env, deadline_s=120)
+    assert flow["released"] and flow["metadata"] == stationary["metadata"], (flow, stationary)
+    assert flow["num_parameters"] == stationary["num_parameters"]
+    assert "weight-flow" in flow["repr"], flow["repr"]
+    for what, result in flow["reads"].items():
+        if result[0] == "raised":
+            assert "model.state_dict()" in result[1] and "weights: flow" in result[1], (what, result[1])
+        else:
+            assert result[1], f"{what} read wrong values"
+    for what, result in flow["writes"].items():
+        if result[0] == "raised":
+            assert "model.load_state_dict" in result[1] and result[2], (what, result)
+        else:
+            assert result[1], f"{what} did not land in the master"
+            # the next step trained from the written weights: the same loss as stationary's
+            assert stationary["writes"][what][0] == "landed" and result[2] == stationary["writes"][what][2], what
+
+
+# ---- reentrant gradient checkpointing (issue 28 item 3) -------------------------------------------
+
+
+class _CheckpointedBlocks(torch.nn.Module):
+    """Blocks called through `torch.utils.checkpoint.checkpoint(block, h)`: the module's hooks run
+    inside the checkpoint (as in transformers before 5.24 and in plain PyTorch models), so the
+    recomputation in backward runs them again. (transformers 5.24 on checkpoints `forward`,
+    leaving the hooks outside.)"""
+
+    def __init__(self, reentrant: bool, width: int = 32, depth: int = 3, vocab: int = 128):
+        super().__init__()
+        self.reentrant = reentrant
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(vocab, width)
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+                torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                torch.nn.Linear(2 * width, width)) for _ in range(depth))
+            self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=self.reentrant)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def _train_checkpointed(weights: str, reentrant: bool, kind: str) -> dict[str, torch.Tensor]:
+    if kind == "torch":
+        model = _CheckpointedBlocks(reentrant)
+        loss_of = lambda batch: model(**batch)  # noqa: E731
+    else:
+        model = tiny_llama(num_layers=3)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        loss_of = lambda batch: model(**batch).loss  # noqa: E731
+    model.train()
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
+                            config=engine_config(device_buckets=0, weights=weights, speculation="on"))
+    with opt:
+        for step in range(3):
+            (batch,) = micro_batches(step)
+            loss_of(batch).backward()
+            opt.step()
+            opt.zero_grad()
+        if weights == "flow":
+            assert f"weights flow: {5 if kind == 'torch' else 6} units" in opt.describe()
+        return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+@pytest.mark.usefixtures("device_mode")
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("kind", ["torch", "hf"])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_flow_with_gradient_checkpointing_of_either_kind_trains_bitwise_like_stationary(reentrant, kind):
+    """Reentrant checkpointing runs the block's forward under no_grad, then recomputes it inside
+    backward with a backward of its own: the unit stays on the device until every gradient of it
+    has left (it went after the first)."""
+    want = _train_checkpointed("stationary", reentrant, kind)
+    got = _train_checkpointed("flow", reentrant, kind)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), f"{name} differs under weight-flow"

@@ -10,6 +10,11 @@ import torch
 SIM_ENV_VAR = "SUPEROFFLOAD_SIM_DEVICE"
 
 
+def accelerator_count() -> int:
+    """How many devices of torch's accelerator (CUDA, XPU, ...) this process sees; 0 without one."""
+    return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+
+
 def make_runtime(device: torch.device, environ=os.environ):
     """The runtime for `device`. With SUPEROFFLOAD_SIM_DEVICE=1, parameters on the CPU run on the
     simulated asynchronous device (superoffload_hf.testing.sim) instead of the synchronous CPU."""

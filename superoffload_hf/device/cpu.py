@@ -6,6 +6,8 @@ paths are otherwise the same as on an accelerator, which is how the CPU tests co
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 import torch
@@ -30,7 +32,11 @@ class CpuRuntime:
         return torch.empty(numel, dtype=dtype)
 
     def host_empty_cache(self) -> int:
-        return 0  # nothing is pinned, nothing cached
+        """Nothing is pinned; what caches freed host memory here is the C allocator: give its
+        free pages back to the system (see release_free_heap). Returns 0: it does not say how
+        many bytes went."""
+        release_free_heap()
+        return 0
 
     def host_register(self, enabled: bool, threads: int = 1) -> bool:
         return False  # nothing is pinned
@@ -80,3 +86,23 @@ class CpuRuntime:
     def memory_info(self) -> tuple[int, int]:
         pages, page = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         return pages * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc; absent elsewhere (macOS, musl)
+    except OSError:
+        return None
+
+
+def release_free_heap() -> None:
+    """Return the free pages of glibc's heap to the system (`malloc_trim(0)`; nothing where the C
+    library has none). glibc serves a block below its mmap threshold from the heap, and after a
+    large block is freed it raises that threshold to the block's size (up to 32 MiB): a re-plan's
+    old arenas and gradient ring then leave holes in the heap that stay resident, uncounted by
+    the Ledger, for the life of the process (0.6-1.7 B/param with compact state on a 31.6M
+    Llama). The engine calls this where it frees such buffers (runtime.host_empty_cache())."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

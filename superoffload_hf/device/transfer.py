@@ -101,7 +101,7 @@ class Transfer:
     @property
     def ring_slots(self) -> int:
         """Gradient ring slots allocated (GRAD_RING_SLOTS, more only while rounds held open
-        exceeded it: every slot held, none to wait for)."""
+        exceeded it: every slot held, none to wait for; back to GRAD_RING_SLOTS as they close)."""
         return len(self._ring)
 
     def grad_slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -133,7 +133,16 @@ class Transfer:
         """Training thread: a round dropped without a copy (zero_grad() before step())."""
         slot = self._slot_of(grad_dev)
         if slot is not None:
-            slot.held = False
+            self._release(slot)
+
+    def _release(self, slot: _RingSlot) -> None:
+        """A slot no round holds: back to the ring, or freed where the ring grew past its size
+        (rounds held open beyond it), so that it shrinks back once they close. Freeing is safe:
+        the slot is recorded on d2h, the one other stream that uses it."""
+        slot.held = False
+        if len(self._ring) > self.grad_slots:
+            self._ring.remove(slot)
+        else:
             self._free.append(slot)
 
     def _slot_of(self, grad_dev: torch.Tensor) -> Optional[_RingSlot]:
@@ -165,8 +174,7 @@ class Transfer:
                 slot.done = rt.new_event()
                 slot.done.record(self.d2h)
         if slot is not None:
-            slot.held = False
-            self._free.append(slot)
+            self._release(slot)
         return done
 
     def params_to_device(self, src_host: torch.Tensor, params: Sequence[torch.Tensor],

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
@@ -40,6 +40,7 @@ from superoffload_hf.engine.plan import BucketPlan, ParamSlot
 logger = logging.getLogger("superoffload_hf")
 FP32 = torch.float32
 SCRATCH_KINDS = ("grad", "recv")  # host kinds that hold nothing between steps
+ENCODE_CHUNK = 1 << 16  # elements per compact encode call at install: a multiple of the group
 DEVICE_KINDS = STATE_KINDS + ("grad",)  # a device-resident bucket's buffers (fp32)
 
 
@@ -96,16 +97,27 @@ class BucketSet:
 
     def _encode_masters(self, plan: BucketPlan, bufs: list[BucketBuffers]) -> None:
         """Compact host buckets: the parameters' values (fp32, or as the model holds them) encoded
-        with zero moments, one back-end call per bucket (the padding encodes zeros)."""
+        with zero moments (the padding encodes zeros), ENCODE_CHUNK elements per back-end call.
+        The fp32 inputs are chunk-sized, not bucket-sized: freed bucket-sized temporaries (12
+        B/param of the largest bucket) stayed in the C allocator's heap, resident, for the
+        life of the process."""
+        master = torch.empty(ENCODE_CHUNK, dtype=FP32)
+        # (distinct: the kernel refuses aliased outputs; read only, so zeroed once)
+        exp_avg, exp_avg_sq = torch.zeros(ENCODE_CHUNK, dtype=FP32), torch.zeros(ENCODE_CHUNK, dtype=FP32)
         for b, bb in zip(plan.buckets, bufs):
             if b.device_resident:
                 continue
-            master = torch.zeros(bb.numel, dtype=FP32)
-            for dst, src in self._master_sources(b, master):
-                dst.copy_(src)
-            exp_avg, exp_avg_sq = torch.zeros(bb.numel, dtype=FP32), torch.zeros(bb.numel, dtype=FP32)  # (distinct:
-            # the kernel refuses aliased outputs)
-            self.codec.compact_encode_(*(getattr(bb, kind) for kind in COMPACT_KINDS), master, exp_avg, exp_avg_sq)
+            pieces = self._master_pieces(b)
+            for start in range(0, bb.numel, ENCODE_CHUNK):
+                end = min(start + ENCODE_CHUNK, bb.numel)
+                chunk = master[:end - start].zero_()
+                for offset, src in pieces:
+                    lo, hi = max(start, offset), min(end, offset + src.numel())
+                    if lo < hi:
+                        chunk[lo - start:hi - start].copy_(src[lo - offset:hi - offset])
+                compact = [BucketBuffers.kind_view(kind, getattr(bb, kind), _Span(start, end - start))
+                           for kind in COMPACT_KINDS]
+                self.codec.compact_encode_(*compact, chunk, exp_avg[:end - start], exp_avg_sq[:end - start])
 
     def _log_pinning(self, seconds: float) -> None:
         pinned = self.ledger.bytes("pinned")
@@ -115,11 +127,14 @@ class BucketSet:
 
     def _master_sources(self, b, flat: torch.Tensor):
         """(buffer view, parameter values) pairs that initialise a bucket's master."""
+        return [(flat[offset:offset + src.numel()], src) for offset, src in self._master_pieces(b)]
+
+    def _master_pieces(self, b) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the bucket's buffers, flat parameter values) of each piece of a bucket."""
         shard = self._shard(b)
         if shard is None:
-            return [(BucketBuffers.view(flat, s), self.params[s.index].detach().reshape(-1)) for s in b.slots]
-        return [(flat[p.offset:p.offset + p.numel],
-                 self.params[p.index].detach().reshape(-1)[p.param_start:p.param_end]) for p in shard.pieces]
+            return [(s.offset, self.params[s.index].detach().reshape(-1)) for s in b.slots]
+        return [(p.offset, self.params[p.index].detach().reshape(-1)[p.param_start:p.param_end]) for p in shard.pieces]
 
     def _shard(self, b):
         return None if self.shard_of is None or b.device_resident else self.shard_of(b)
@@ -298,8 +313,9 @@ class BucketSet:
                     "built (`p.data = ...`, `model.to(dtype)`, `model.half()`, ...). On the CPU with fp32 "
                     "the parameters are views of the master weights, so the optimizer would update a "
                     "tensor the model no longer uses. Move or cast the model before building the "
-                    "optimizer; to set new values, write them in place (`p.data.copy_(...)`, "
-                    "`model.load_state_dict(...)`).")
+                    "optimizer; to set new values, write them in place after `optimizer.synchronize()` "
+                    "(`with torch.no_grad(): p.copy_(...)`, which the race check sees, unlike `p.data.copy_`; "
+                    "or `model.load_state_dict(...)`).")
 
     def host(self) -> Iterator[BucketRuntime]:
         return (rt for rt in self.runtimes if not rt.bucket.device_resident)
@@ -346,6 +362,12 @@ class BucketSet:
                     if skip(p):
                         continue
                     p.detach().copy_(BucketBuffers.view(weights, slot).view(slot.shape))
+
+
+class _Span(NamedTuple):
+    """An element range of a bucket's buffers, as BucketBuffers.kind_view reads a slot."""
+    offset: int
+    numel: int
 
 
 def _param_over(master, slot: ParamSlot) -> torch.Tensor:

@@ -4,7 +4,7 @@
      "param_groups": [{..hyperparameters.., "params": [i, ...]}],
      "superoffload": {"format_version": 1, "state_precision": "fp32" | "compact" | "compact32",
                       "loss_scale": {..}, "speculation": {..},
-                      "counters": {..}, "plan": None | {"ready_order", "deferred", "device_buckets"},
+                      "counters": {..the counts; no wall-clock seconds..}, "plan": None | {"ready_order", "deferred", "device_buckets"},
                       "layout": {..engine/layout.py Layout.to_dict()..},
                       "checksums": {i: {"exp_avg": crc32, "exp_avg_sq": crc32, "master_param": crc32}}}}
 
@@ -47,8 +47,9 @@ from the loaded masters).
 from __future__ import annotations
 
 import logging
+import types
 import zlib
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -94,12 +95,83 @@ def state_dict(engine, groups: list[dict]) -> dict:
             "state_precision": engine.config.state_precision,
             "loss_scale": engine.loss_scale.state_dict(),
             "speculation": engine.policy.state_dict(),
-            "counters": engine.counters.as_dict(),
+            "counters": engine.counters.counts(),
             "plan": engine.learned,
             "layout": engine.layout.to_dict(),
             "checksums": dict(sorted(checksums.items())),
         },
     }
+
+
+class ParamStateView(Mapping):
+    """`optimizer.state`: parameter -> {"step", "exp_avg", "exp_avg_sq"} (torch.optim's keys; the
+    step a 0-d fp32 tensor), for the parameters stepped so far, as torch.optim's state holds them.
+
+    Each read makes fp32 CPU copies of the state as it is then (after waiting for the host's jobs):
+    read-only, a write into them does not reach the optimizer (load_state_dict does). Compact
+    state: the decoded values. Data parallelism: this rank's shard, the 1-d range of the flattened
+    parameter it owns (`start`/`end` in this rank's `state_dict()["pieces"]`), no gather, so any
+    rank may read alone; a parameter with no element on this rank is absent. A managed
+    parameter not stepped yet reads as {} (torch's defaultdict) but is not `in` the state."""
+
+    def __init__(self, engine):
+        self._engine = engine  # (not the optimizer: no reference cycle)
+
+    def _index(self, p: Any) -> Optional[int]:
+        engine = self._engine
+        if engine.closed or not isinstance(p, torch.Tensor):
+            return None
+        return engine.buckets.index_of.get(p)
+
+    def _stepped(self) -> list[int]:
+        engine = self._engine
+        if engine.closed:
+            return []
+        steps = engine.param_steps
+        if engine.dp is None:
+            return [i for i, step in enumerate(steps) if step > 0]
+        return sorted({piece[0] for piece in engine.dp.pieces() if piece[4] > 0})
+
+    def __getitem__(self, p: Any) -> Mapping[str, torch.Tensor]:
+        index = self._index(p)
+        if index is None:
+            raise KeyError("not a parameter of this optimizer" + (" (it is closed)" if self._engine.closed else ""))
+        if index not in self._stepped():
+            return types.MappingProxyType({})
+        return types.MappingProxyType(param_state(self._engine, index))
+
+    def __contains__(self, p: Any) -> bool:
+        index = self._index(p)
+        return index is not None and index in self._stepped()
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        params = self._engine.params
+        return iter([params[i] for i in self._stepped()])
+
+    def __len__(self) -> int:
+        return len(self._stepped())
+
+    def __repr__(self) -> str:
+        return f"ParamStateView({len(self)} parameters with state)"
+
+
+def param_state(engine, index: int) -> dict[str, torch.Tensor]:
+    """Parameter `index`'s step and moments as new fp32 CPU tensors (ParamStateView)."""
+    from superoffload_hf.engine.precision import convert, precision_of
+
+    engine.synchronize()
+    shape = tuple(engine.params[index].shape)
+    if engine.dp is None:
+        values = engine.export_param(index)
+    else:
+        values = next(piece[5] for piece in engine.dp.pieces() if piece[0] == index)
+        shape = (-1,)
+    if precision_of(values) != "fp32":
+        values = convert(values, "fp32", engine.buckets.codec)
+    out = {"step": torch.tensor(float(engine.param_steps[index]), dtype=torch.float32)}
+    for key in ("exp_avg", "exp_avg_sq"):
+        out[key] = values[key].detach().to("cpu", torch.float32, copy=True).reshape(shape)
+    return out
 
 
 def _entry_keys(values: Mapping[str, Any]) -> dict[str, str]:
@@ -109,7 +181,7 @@ def _entry_keys(values: Mapping[str, Any]) -> dict[str, str]:
 
 def _extras(engine) -> dict:
     return {"format_version": FORMAT_VERSION, "loss_scale": engine.loss_scale.state_dict(),
-            "speculation": engine.policy.state_dict(), "counters": engine.counters.as_dict(),
+            "speculation": engine.policy.state_dict(), "counters": engine.counters.counts(),
             "layout": engine.layout.to_dict()}
 
 
@@ -117,6 +189,8 @@ def load_state_dict(engine, groups: list[dict], sd: Any) -> None:
     from superoffload_hf.engine.dp import is_sharded_input
     from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate
 
+    if not is_sharded_input(sd):
+        sd = _state_by_position(sd)
     if engine.dp is not None:  # any saved layout: this rank reads its own ranges
         source = RangeSource.of(sd)
         _check_layout({"state": {}, "param_groups": source.param_groups, "superoffload": {}}, groups)
@@ -151,6 +225,23 @@ def load_state_dict(engine, groups: list[dict], sd: Any) -> None:
                        "(this optimizer's state precision there)", count, "" if count == 1 else "s", saved, ours)
     _load_extras(engine, groups, sd["param_groups"], extra)
     engine.refresh_device_params()
+
+
+def _state_by_position(sd: Any) -> Any:
+    """As torch.optim reads a state dict: a state key names the parameter at its place in the
+    saved param groups' "params" (our indices, or torch.distributed.checkpoint's names)."""
+    if not isinstance(sd, Mapping) or "state" not in sd or "param_groups" not in sd:
+        return sd  # (_check_layout says what is missing)
+    position = {key: i for i, key in enumerate(k for g in sd["param_groups"] for k in g["params"])}
+    if all(position.get(key) == key for key in sd["state"]):
+        return sd
+    state = {}
+    for key, entry in sd["state"].items():
+        if key not in position:
+            raise ValueError(f"The state dict has state for {key!r}, which no saved param group lists in its "
+                             "'params'. Is it from another model?")
+        state[position[key]] = entry
+    return {**sd, "state": state}
 
 
 def _load_extras(engine, groups: list[dict], saved_groups: list, extra: Mapping[str, Any]) -> None:
@@ -270,6 +361,10 @@ def _check_layout(sd: Mapping[str, Any], groups: list[dict]) -> None:
         if len(theirs["params"]) != len(ours["params"]):
             raise ValueError(f"Param group {g} of the state dict has {len(theirs['params'])} parameters; "
                              f"this optimizer's has {len(ours['params'])}.")
+        for option in ("amsgrad", "maximize"):  # a torch.optim state dict asking for what we do not do
+            if theirs.get(option, False):
+                raise ValueError(f"Param group {g} of the state dict has `{option}` {theirs[option]!r}; SuperOffload "
+                                 f"optimizers support only {option}=False (the state was saved by another optimizer).")
     version = (sd.get("superoffload") or {}).get("format_version", FORMAT_VERSION)
     if version != FORMAT_VERSION:
         raise ValueError(f"State dict format_version {version}; this version of superoffload_hf reads {FORMAT_VERSION}.")

@@ -100,7 +100,8 @@ class Collector:
                 f"Parameter {index} has a gradient of {grad.numel()} elements (shape {tuple(p.shape)}), but "
                 f"the optimizer was built when it had {slot.numel} (shape {tuple(slot.shape)}): it was "
                 "replaced or resized after the optimizer was built (`p.data = ...`). Build the optimizer "
-                "from the final model; to set new values, write them in place (`p.data.copy_(...)`).")
+                "from the final model; to set new values, write them in place after `optimizer.synchronize()` "
+                "(`with torch.no_grad(): p.copy_(...)`, which the race check sees, unlike `p.data.copy_`).")
         held = self.held[index]
         if held is None or held.dtype != p.dtype or held.shape != p.shape:
             held = self.held[index] = HeldGrad(p)

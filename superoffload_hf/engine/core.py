@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import warnings
 import weakref
 from typing import Callable, Optional
 
@@ -39,7 +40,7 @@ from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_
 from superoffload_hf.engine.flow import WeightFlow, find_units
 from superoffload_hf.engine.flow_choice import choose_depth
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
-from superoffload_hf.engine.hooks import register_forward_wait, register_param_hooks, remove_handles
+from superoffload_hf.engine.hooks import claim, owners_of, register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
 from superoffload_hf.engine.host_limit import check_plan_fits
 from superoffload_hf.engine.layout import FireLog, cast_params_in_place, common_device, decide_layout, machine_facts
@@ -74,6 +75,20 @@ def _live_input(name: str) -> property:
     return property(lambda engine: getattr(engine.live, name), lambda engine, value: setattr(engine.live, name, value))
 
 
+def take_over(params: list) -> None:
+    """Close every open engine that manages any of `params` (a newer optimizer built on them),
+    saying so: two engines hooking one parameter would both take its gradient."""
+    for owner in owners_of(params):
+        shared = len({id(p) for p in params} & {id(p) for p in owner.params})
+        warnings.warn(
+            f"SuperOffload: this optimizer took over {shared} parameter{'s' if shared != 1 else ''} that another "
+            "SuperOffload optimizer (still referenced: an earlier optimizer or Trainer on this model) managed. "
+            "That one is closed now: its hooks are removed, its gradients dropped and its state freed, and "
+            "its step() raises. Take its state_dict() before building the new optimizer to keep its state "
+            "(as a resume does), or close() it first to silence this warning.", UserWarning, stacklevel=4)
+        owner.supersede()
+
+
 def auto_host_threads(cores: int, device_is_host: bool = False) -> int:
     """Every core this process may run on but one, which the training thread (the autograd engine
     feeding the device) needs; at least one. On the CPU device every core: host jobs run inline,
@@ -95,6 +110,7 @@ class Engine:
         check_sequence_parallel_size(config.sequence_parallel_size, 1 if collectives is None else collectives.world)
         self.dp: Optional[DataParallel] = None  # built below, from the parts it uses
         check_not_ddp(self.params)
+        take_over(self.params)  # before anything here touches the parameters
         if collectives is not None:
             broadcast_params(collectives, self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
@@ -130,10 +146,10 @@ class Engine:
         initial = self.layout.bucket_plan
         # speculation auto with compact state: how many buckets may keep a rollback snapshot
         self.trade = engine_trade(initial, buffers, config.speculation, self.runtime,
-                                  check_memory=config.host_memory_check)
+                                  check_memory=config.host_memory_check, host_budget=config.host_memory_budget)
         if config.host_memory_check:  # before anything is allocated: refuse with the table, not the OOM killer
             check_plan_fits(footprint(initial, buffers, self.trade.snapshot_buckets), self.runtime,
-                            sum(p.numel() for p in self.params))
+                            sum(p.numel() for p in self.params), budget_bytes=config.host_memory_budget)
         self.buckets.install(initial)
         self._reserve_staging()
         cast_params_in_place(self.params, self.layout.device_dtype)
@@ -167,6 +183,7 @@ class Engine:
                 self.dp.flows = self.flow.flows
                 self.flow.gather = weak_method(self.dp.gather_for_flow)
                 self.flow.all_ranks_true = collectives.all_ranks_true
+                self.flow.rank = collectives.topology.rank  # rank 0 keeps what fetch_weights() gathers
         self.handles: list = []
         self.unhooked: list = []
         # The parts get the collaborators they use, never the engine: no reference cycle, so a
@@ -185,10 +202,12 @@ class Engine:
             counters=counters, adamw=adamw, dp=self.dp, policy=self.policy, loss_scale=self.loss_scale)
         self.step_returns_early = self.transfer.is_async  # CPU: step() finishes all host work
         self.closed = False
+        self.superseded = False  # closed because a newer engine took the parameters over
         self.unhooked.extend(register_param_hooks(self.params, self.collector, self.buckets.index_of, self.handles))
         register_forward_wait(self, self.reads, self.handles)
         if self.flow is not None:  # after the engine's gradient hooks: a unit goes once its gradients have left
-            self.flow.register(dict(find_units(model)), self.handles)
+            self.flow.register(dict(find_units(model)), self.handles, model)
+        claim(self.params, self)
         logger.info(self.summary())
 
     # the values the parts read at use (LiveInputs), set by the optimizer and by _learn
@@ -300,17 +319,18 @@ class Engine:
 
         held = self.footprint()
         self.trade = engine_trade(plan, self.buckets.policy, self.config.speculation, self.runtime,
-                                  check_memory=self.config.host_memory_check,
+                                  check_memory=self.config.host_memory_check, host_budget=self.config.host_memory_budget,
                                   held_bytes=host_bytes(held, self.runtime.host_is_device), **(measured or {}))
         self.live.snapshot_trade = self.trade if self.trade.applies else None
         if plan == self.plan:
             return
         if self.config.host_memory_check:
             check_plan_fits(footprint(plan, self.buckets.policy, self.trade.snapshot_buckets), self.runtime,
-                            sum(p.numel() for p in self.params), held=held)
+                            sum(p.numel() for p in self.params), held=held, budget_bytes=self.config.host_memory_budget)
         self.buckets.replan(plan)
         self.layout = self.layout.with_plan(plan)
         self._reserve_staging()
+        self.runtime.host_empty_cache()  # the old gradient ring and staging (the CPU device: host memory)
 
     def _reserve_staging(self) -> None:
         """The copy-back staging buffer is sized to the plan's largest host bucket."""
@@ -446,6 +466,15 @@ class Engine:
         """Write the step timeline now (config `timeline_dir`); the paths written."""
         self.synchronize()
         return self.observer.close()
+
+    def supersede(self) -> None:
+        """A newer engine takes these parameters over: forget this step's gradients (undoing any
+        speculative step: on the CPU the parameters are the masters), then close."""
+        self.superseded = True
+        if not self.closed:
+            self.discard_gradients()
+            self.collector.release_held()
+            self.close()
 
     def close(self) -> None:
         """Stop the worker, remove the hooks, and free every buffer (host arenas, device buffers,

@@ -15,9 +15,15 @@
   registers state-dict and load-state-dict pre-hooks on every module under it owning
   parameters, so `model.state_dict()` / `save_pretrained` / `load_state_dict()` between step()
   and the next forward read updated weights and write after the copy-backs. Reading or writing
-  `p` directly (an EMA in a custom loop, `p.data.copy_`) needs `optimizer.synchronize()` first.
+  `p` directly (an EMA in a custom loop) needs `optimizer.synchronize()` first, and a write goes
+  `with torch.no_grad(): p.copy_(...)` (a write through `p.data` escapes the race check).
 
 The hooks hold the engine through a weak reference, so they never keep an optimizer alive.
+
+* Ownership: each managed parameter names the engine whose hooks it carries (`claim`), weakly
+  both ways, keyed by the tensor's identity. Two engines hooking one parameter would both take
+  its gradient (the second finds the first's placeholder); so an engine built on parameters a
+  live engine manages takes them over (`owners_of` finds that one; the engine closes it).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from torch.utils.weak import WeakIdKeyDictionary
 
 from superoffload_hf.engine.reads import ModuleReads
 
@@ -76,6 +84,28 @@ def _restart_accumulation(func, held: HeldGrad, new_grad: torch.Tensor) -> Optio
         param.grad = fresh
         return held  # (ignored: an in-place op returns its first argument)
     return fresh
+
+
+# parameter -> weakref to the engine whose hooks it carries (weak keys: a dropped model's
+# parameters leave; weak values: a dropped optimizer is no owner)
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def claim(params: Sequence[torch.Tensor], engine) -> None:
+    ref = weakref.ref(engine)
+    for p in params:
+        _OWNER[p] = ref
+
+
+def owners_of(params: Sequence[torch.Tensor]) -> list:
+    """The open engines that manage any of `params` now, in the order first found."""
+    owners: list = []
+    for p in params:
+        ref = _OWNER.get(p)
+        owner = None if ref is None else ref()
+        if owner is not None and not owner.closed and not any(o is owner for o in owners):
+            owners.append(owner)
+    return owners
 
 
 def _deliver(collector_ref: "weakref.ref", index: int) -> Callable:

@@ -2,11 +2,23 @@
 buffers are allocated, so that a plan too large for the host is refused with its table and the
 fixes instead of the kernel's OOM killer ending the process without a message.
 
-The memory this process may use is the smallest of: its cgroup's limit less the cgroup's usage
-(cgroup v2 `memory.max` / `memory.current`, v1 `memory.limit_in_bytes` / `memory.usage_in_bytes`,
-the tightest on the path up to the root), the kernel's MemAvailable (/proc/meminfo), and a
-simulated device's host budget (testing/host_memory.py). Each is what is left *now*, so buffers
-already held (a re-plan's old arenas) are not counted twice.
+"The memory this process may use" is what the kernel would let it take before refusing or
+killing it, left *now* (buffers already held, a re-plan's old arenas, are not counted twice):
+
+* `host_memory_budget` when the config sets it: that budget less this process's resident memory
+  (VmRSS). It replaces every figure below: the user knows the machine better.
+* otherwise the smallest of
+  - its cgroup's limit less the cgroup's usage (cgroup v2 `memory.max` / `memory.current`, v1
+    `memory.limit_in_bytes` / `memory.usage_in_bytes`, the tightest on the path up to the root),
+    where one is set: the kernel enforces it;
+  - MemTotal less the resident memory of every process (/proc/*/statm; shared pages counted in
+    each, so it errs low): page cache, free memory, and memory a VM's balloon has not handed
+    over yet all count as usable. Not MemAvailable: on a VM whose memory grows as it is used,
+    MemAvailable starts far below what the guest can take, and would refuse a plan that fits;
+  - CommitLimit less Committed_AS, only under strict overcommit (vm.overcommit_memory = 2, where
+    the kernel refuses allocations past it);
+  - a simulated device's host budget (testing/host_memory.py).
+The refusal names the figure that bound.
 """
 
 from __future__ import annotations
@@ -17,6 +29,9 @@ from typing import Optional, Sequence
 from superoffload_hf.engine.memory import FootprintRow, format_footprint
 
 HOST_PLACES = ("pinned", "host")
+# where the limits are read (tests point them at files of their own)
+MEMINFO, PROC, PROC_SELF_CGROUP, CGROUP_ROOT = "/proc/meminfo", "/proc", "/proc/self/cgroup", "/sys/fs/cgroup"
+OVERCOMMIT = "/proc/sys/vm/overcommit_memory"
 
 
 class HostMemoryError(MemoryError):
@@ -63,20 +78,83 @@ def cgroup_left(proc_self_cgroup: str = "/proc/self/cgroup", root: str = "/sys/f
     return best
 
 
-def mem_available(meminfo: str = "/proc/meminfo") -> Optional[tuple[int, str]]:
+def _meminfo(meminfo: str = "/proc/meminfo") -> dict[str, int]:
+    """/proc/meminfo's fields in bytes ({} where it cannot be read)."""
+    fields = {}
     try:
         with open(meminfo) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, f"MemAvailable in {meminfo}"
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    fields[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return fields
+
+
+def _resident_bytes(statm: str) -> int:
+    try:
+        with open(statm) as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0  # a process that ended while we read
+
+
+def processes_resident(proc: str = "/proc") -> int:
+    """The resident memory of every process we can see (/proc/<pid>/statm), in bytes."""
+    try:
+        pids = [name for name in os.listdir(proc) if name.isdigit()]
+    except OSError:
+        return 0
+    return sum(_resident_bytes(os.path.join(proc, pid, "statm")) for pid in pids)
+
+
+def total_less_resident(meminfo: str = "/proc/meminfo", proc: str = "/proc") -> Optional[tuple[int, str]]:
+    """MemTotal less the resident memory of every process, None where MemTotal is unknown."""
+    total = _meminfo(meminfo).get("MemTotal")
+    if total is None:
+        return None
+    resident = processes_resident(proc)
+    return (max(0, total - resident), f"MemTotal in {meminfo} ({total / 2**30:.2f} GiB) less the resident memory "
+                                      f"of every process ({resident / 2**30:.2f} GiB)")
+
+
+def commit_left(meminfo: str = "/proc/meminfo",
+                overcommit: str = "/proc/sys/vm/overcommit_memory") -> Optional[tuple[int, str]]:
+    """CommitLimit less Committed_AS under strict overcommit (mode 2), None in the other modes."""
+    if _read_int(overcommit) != 2:
+        return None
+    fields = _meminfo(meminfo)
+    if "CommitLimit" not in fields or "Committed_AS" not in fields:
+        return None
+    limit, committed = fields["CommitLimit"], fields["Committed_AS"]
+    return (max(0, limit - committed), f"CommitLimit in {meminfo} ({limit / 2**30:.2f} GiB) less Committed_AS "
+                                       f"({committed / 2**30:.2f} GiB) under strict overcommit ({overcommit} = 2)")
+
+
+def own_resident(status: str = "/proc/self/status") -> int:
+    """This process's resident memory (VmRSS), 0 where it cannot be read."""
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    return 0
 
 
-def host_memory_left(runtime) -> Optional[tuple[int, str]]:
-    """(bytes, where that figure came from): the smallest of the limits above, None if none is known."""
-    candidates = [c for c in (cgroup_left(), mem_available()) if c is not None]
+def host_memory_left(runtime, budget_bytes: Optional[int] = None) -> Optional[tuple[int, str]]:
+    """(bytes, where that figure came from): `budget_bytes` (config `host_memory_budget`) less this
+    process's resident memory when given, else the smallest of the limits above; None if none
+    is known."""
+    if budget_bytes is not None:
+        resident = own_resident()
+        return (max(0, budget_bytes - resident), f"`host_memory_budget` ({budget_bytes / 2**30:.2f} GiB) less this "
+                                                 f"process's resident memory ({resident / 2**30:.2f} GiB)")
+    candidates = [c for c in (cgroup_left(PROC_SELF_CGROUP, CGROUP_ROOT), total_less_resident(MEMINFO, PROC),
+                              commit_left(MEMINFO, OVERCOMMIT)) if c is not None]
     budget = getattr(runtime, "host_budget_left", None)
     left = budget() if budget is not None else None
     if left is not None:
@@ -106,24 +184,25 @@ def replan_transient(rows: Sequence[FootprintRow]) -> int:
 
 
 def check_plan_fits(rows: Sequence[FootprintRow], runtime, num_params: int,
-                    held: Optional[Sequence[FootprintRow]] = None) -> None:
+                    held: Optional[Sequence[FootprintRow]] = None, budget_bytes: Optional[int] = None) -> None:
     """The engine's check before it allocates a plan's buffers (`rows`: its footprint): at
     construction with the re-plan after step 1 to come; before a re-plan (`held`: the footprint
-    of the buffers held now, which the move frees)."""
+    of the buffers held now, which the move frees). `budget_bytes`: config `host_memory_budget`."""
     if held is None:
-        check_host_fits(rows, replan_transient(rows), runtime, num_params)
+        check_host_fits(rows, replan_transient(rows), runtime, num_params, budget_bytes=budget_bytes)
     else:
         check_host_fits(rows, replan_transient(rows), runtime, num_params, "re-planning the buckets",
-                        held_bytes=host_bytes(held, runtime.host_is_device))
+                        held_bytes=host_bytes(held, runtime.host_is_device), budget_bytes=budget_bytes)
 
 
 def check_host_fits(rows: Sequence[FootprintRow], transient_bytes: int, runtime, num_params: int,
-                    what: str = "the optimizer's buffers", held_bytes: int = 0) -> None:
+                    what: str = "the optimizer's buffers", held_bytes: int = 0,
+                    budget_bytes: Optional[int] = None) -> None:
     """Raise HostMemoryError if `rows` (the per-kind table of what is about to be allocated) plus
     `transient_bytes` (a re-plan's) less `held_bytes` (already allocated and about to be freed
     by the move) do not fit the host memory this process may use now."""
     need = host_bytes(rows, runtime.host_is_device) + transient_bytes - held_bytes
-    left = host_memory_left(runtime)
+    left = host_memory_left(runtime, budget_bytes)
     if left is None or need <= left[0]:
         return
     available, source = left
@@ -132,10 +211,11 @@ def check_host_fits(rows: Sequence[FootprintRow], transient_bytes: int, runtime,
         f"SuperOffload: {what} need {need / 1e9:.3f} GB ({need} bytes) of host memory "
         f"({transient_bytes / 1e9:.3f} GB of it "
         f"while re-planning after step 1: the new arena of one kind before the old one is freed{held}), but "
-        f"this process may use {available / 1e9:.3f} GB ({available} bytes) more: {source}. Nothing {'new ' if held_bytes else ''}has been allocated.\n"
+        f"this process may use {available / 1e9:.3f} GB ({available} bytes) more, the figure used: {source}. Nothing {'new ' if held_bytes else ''}has been allocated.\n"
         f"{format_footprint(rows, num_params)}\n"
         "Fixes: keep more buckets' state on the device (`device_buckets`), use smaller buckets "
         "(`bucket_size_mb`: the re-plan transient is one kind's arena), spread the state over more data "
         "parallel ranks (each holds 1/N), move the cast to the device (`cast: device`: no low-precision "
         "host copy), give the process more memory (a larger cgroup limit / machine), or, if you know "
-        "better than this estimate, skip the check with `host_memory_check: false`.")
+        "what this process may use better than that figure, say so with `host_memory_budget` (e.g. "
+        "\"100GB\") or skip the check with `host_memory_check: false`.")

@@ -118,17 +118,17 @@ def _trade(sizes: Sequence[int], indices: Sequence[int], count: int, full: int, 
 
 
 def engine_trade(plan: BucketPlan, policy: BufferPolicy, mode: str, runtime, *, check_memory: bool,
-                 held_bytes: int = 0, host_bytes_per_second: Optional[float] = None,
+                 held_bytes: int = 0, host_budget: Optional[int] = None, host_bytes_per_second: Optional[float] = None,
                  backward_seconds: Optional[float] = None) -> SnapshotTrade:
     """The engine's decision for `plan` before it allocates it: the memory this process may use
-    now (engine/host_limit.py) plus `held_bytes` (what the engine holds and a re-plan frees)
+    now (engine/host_limit.py; `host_budget`: config `host_memory_budget`) plus `held_bytes` (what the engine holds and a re-plan frees)
     against the plan's footprint without snapshots and its re-plan transient."""
     from superoffload_hf.engine.host_limit import host_bytes, host_memory_left, replan_transient
     from superoffload_hf.engine.memory import footprint
 
     memory_left, other = None, 0
     if check_memory and policy.compact and mode == "auto":
-        left = host_memory_left(runtime)
+        left = host_memory_left(runtime, host_budget)
         if left is not None:
             rows = footprint(plan, policy, frozenset())
             memory_left = left[0] + held_bytes

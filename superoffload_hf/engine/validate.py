@@ -9,14 +9,19 @@ whether the next step speculates: "on" always, "off" never, "auto" unless more t
 training); while not speculating it keeps watching whether steps *would* have rolled back,
 so it resumes once they stop. "auto" never speculates where nothing can overlap the host step
 (`overlap=False`: the CPU device, whose host jobs run inline, between backward's kernels).
+Under "on" it says once, as a warning, when that share of the last `window` steps rolled back
+(every step clipped, early in training), and what to set.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
+
+logger = logging.getLogger("superoffload_hf")
 
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
@@ -72,6 +77,7 @@ class SpeculationPolicy:
         self.window = int(window)
         self.max_rollback_rate = float(max_rollback_rate)
         self.recent: deque[bool] = deque(maxlen=self.window)  # True: that step rolled back / would have
+        self.warned = False  # "on" and rollbacks dominate: said once
 
     def should_speculate(self) -> bool:
         if self.mode != "auto":
@@ -91,6 +97,20 @@ class SpeculationPolicy:
         was actually rolled back (a clip decided by the first bucket stops speculation at once
         and costs nothing); a step that did not speculate records whether it would have had to."""
         self.recent.append(rolled_back if speculated else decision.rolls_back)
+        if self.mode == "on" and not self.warned and len(self.recent) == self.window \
+                and self.rollback_rate() > self.max_rollback_rate:
+            self.warned = True
+            logger.warning("superoffload: %s", self.rollbacks_dominate())
+
+    def rollbacks_dominate(self) -> str:
+        """What `speculation: on` costs here when most steps roll back, and what to set."""
+        where = ("on the CPU device speculation overlaps nothing, so every rollback is pure cost; "
+                 if not self.overlap else "")
+        return (f"speculation \"on\": {sum(self.recent)} of the last {len(self.recent)} steps were rolled back and "
+                "redone (their gradient norm exceeded max_grad_norm, or was not finite), each costing a second "
+                f"host Adam pass; {where}set `speculation: auto` (it speculates only while at most "
+                f"{self.max_rollback_rate:g} of recent steps roll back, and never on the CPU device), or "
+                "`speculation: off`.")
 
     def state_dict(self) -> dict:
         return {"mode": self.mode, "recent": [bool(r) for r in self.recent]}

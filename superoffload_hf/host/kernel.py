@@ -13,7 +13,8 @@ torch, Python and platform (``~/.cache/superoffload_hf/``, or ``$SUPEROFFLOAD_CA
 later processes load the cached library without rebuilding; a finished build loads without the
 cache's lock, so the cache may be read-only once it holds the build. One build serves every
 instruction set: each ISA file selects its own target, and the ISA is chosen at run time. ``SUPEROFFLOAD_FORCE_REFERENCE=1`` forces
-the reference.
+the reference. ``SUPEROFFLOAD_REQUIRE_KERNEL=1`` (the GPU check sets it) makes "auto" an error when the
+kernel cannot be built, and refuses ``SUPEROFFLOAD_FORCE_REFERENCE``: no silent fallback.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ MODES = ("auto", "cpp", "reference")
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3, "sve": 4}
 CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17")
 FORCE_REFERENCE_ENV = "SUPEROFFLOAD_FORCE_REFERENCE"
+REQUIRE_KERNEL_ENV = "SUPEROFFLOAD_REQUIRE_KERNEL"
 CACHE_DIR_ENV = "SUPEROFFLOAD_CACHE_DIR"
 
 
@@ -278,14 +280,18 @@ def get_host_adam(mode: str = "auto", threads: Optional[int] = None, isa: Option
 
 
 def _choose_backend(mode: str, threads: int, isa: Optional[str]):
+    required = os.environ.get(REQUIRE_KERNEL_ENV, "") not in ("", "0")
     if os.environ.get(FORCE_REFERENCE_ENV, "") not in ("", "0"):
+        if required and mode != "reference":
+            raise KernelBuildError(f"{FORCE_REFERENCE_ENV} and {REQUIRE_KERNEL_ENV} are both set: the first forces "
+                                   f"the reference host Adam, the second forbids it. Unset one of them.")
         return ReferenceHostAdam(threads, reason=f"forced by {FORCE_REFERENCE_ENV}=1")
     if mode == "reference":
         return ReferenceHostAdam(threads, reason="mode='reference'")
     try:
         extension = load_extension()
     except KernelBuildError as error:
-        if mode == "cpp":
+        if mode == "cpp" or required:
             raise
         _warn_fallback_once(error)
         return ReferenceHostAdam(threads, reason=f"fallback: {str(error).splitlines()[0]}")

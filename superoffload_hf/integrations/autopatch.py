@@ -14,7 +14,8 @@ Active only in processes started by `superoffload launch`:
    `SuperOffloadHooks` our own `Trainer` uses (optimizer creation, clipping, grad-norm
    reporting) and the `SuperOffloadCallback`. Nothing else in transformers is changed.
 
-In launched processes an uncaught Ctrl-C prints one line, not a traceback, and the
+In launched processes an uncaught Ctrl-C prints one line, not a traceback, and so does a checkpoint
+that cannot be resumed (ResumeError, CorruptStateError: the message names the fix; exit status 1), and the
 `superoffload_hf` logger prints INFO records on stderr (what the
 engine decided: buckets, device dtype, host Adam and its thread count). Without the variable
 none of this happens. Our own `superoffload_hf.Trainer` reads the launch
@@ -31,9 +32,11 @@ import os
 import sys
 from typing import Any, Callable, Mapping
 
+from superoffload_hf.errors import CorruptStateError
 from superoffload_hf.integrations import launch_env
 from superoffload_hf.integrations.launch_env import CONFIG_ENV_VAR, launch_plugin  # noqa: F401
 from superoffload_hf.integrations.patch import wrap_trainer_init
+from superoffload_hf.integrations.resume import ResumeError
 
 TRAINER_MODULE = "transformers.trainer"
 
@@ -70,12 +73,17 @@ def _show_superoffload_logs() -> None:
 
 def _install_interrupt_hook() -> None:
     """An uncaught Ctrl-C prints one line instead of a traceback; the Trainer, if one was training,
-    has already logged where it stopped and what to resume from. Python still exits by SIGINT (130)."""
+    has already logged where it stopped and what to resume from. Python still exits by SIGINT (130).
+    A checkpoint that cannot be resumed prints its one-line message (which names the fix) instead
+    of a traceback through the Trainer and the script; the exit status stays 1."""
     previous = sys.excepthook
 
     def excepthook(kind, value, traceback):
         if issubclass(kind, KeyboardInterrupt):
             sys.stderr.write("superoffload launch: the training script was interrupted (Ctrl-C)\n")
+            return
+        if issubclass(kind, (ResumeError, CorruptStateError)):
+            sys.stderr.write(f"superoffload launch: error: {value}\n")
             return
         previous(kind, value, traceback)
 

@@ -11,14 +11,15 @@ its config, so the launcher:
 2. refuses DeepSpeed / FSDP / Megatron-LM configs and fp8; several processes (`--num_processes
    N`, `--num_machines`, `--machine_rank`) run data parallel: the optimizer shards its state
    over the ranks and averages the gradients itself (Accelerate does not wrap the model in DDP);
-   on a machine without GPUs, N > 1 processes are started with `--multi_gpu` (accelerate would
-   otherwise run one), and they train on the CPU over gloo;
+   on a machine without an accelerator (`device.accelerator_count()`), N > 1 processes are started
+   with `--multi_gpu` (accelerate would otherwise run one), and they train on the CPU over gloo;
 3. writes the stripped config to a temporary file and runs
    `python -m superoffload_hf.integrations.launch_child --config_file <stripped> <the other arguments>`
    (accelerate launch that waits out a Ctrl-C, see launch_child.py) with
    `SUPEROFFLOAD_CONFIG_JSON` (the block) set and `launch_site/` first on PYTHONPATH, so that
    the script's stock `transformers.Trainer` trains with superoffload (see autopatch.py);
-4. returns accelerate's exit code (130 after Ctrl-C, without a traceback).
+4. returns accelerate's exit code (130 after Ctrl-C, without a traceback; 1 after a checkpoint
+   that cannot be resumed, whose one-line message ends the output: see autopatch.py).
 """
 
 from __future__ import annotations
@@ -129,12 +130,12 @@ def cpu_processes_flag(parsed: Any, config: Optional[dict[str, Any]]) -> list[st
     """`["--multi_gpu"]` when N > 1 processes are asked for on a machine without GPUs and nothing
     else starts them: `accelerate launch` would run one process and say nothing. Its multi-process
     launcher (torchrun) runs the N ranks on the CPU too, where they talk over gloo."""
-    import torch
+    from superoffload_hf.device import accelerator_count  # imports torch: only when a launch is planned
 
     config = config or {}
     processes = parsed.num_processes if parsed.num_processes is not None else config.get("num_processes", 1)
     distributed = str(config.get("distributed_type", "NO")).upper()
-    if int(processes or 1) <= 1 or parsed.multi_gpu or distributed != "NO" or torch.cuda.device_count() > 0:
+    if int(processes or 1) <= 1 or parsed.multi_gpu or distributed != "NO" or accelerator_count() > 0:
         return []
     if parsed.cpu:
         raise LaunchError(

@@ -30,7 +30,12 @@ from superoffload_hf.integrations.callback import SuperOffloadCallback, shorten_
 from superoffload_hf.engine.shard_checkpoint import shard_files
 from superoffload_hf.integrations import launch_env
 from superoffload_hf.integrations.trainer_sequence_parallel import TrainerSequenceParallel
-from superoffload_hf.integrations.resume import interrupted_report, load_weights_only, resolve_resume
+from superoffload_hf.integrations.resume import (
+    check_new_run_output,
+    interrupted_report,
+    load_weights_only,
+    resolve_resume,
+)
 from superoffload_hf.optimizer import SuperOffloadAdamW
 from superoffload_hf.device import make_runtime
 from superoffload_hf.parallel.tiling import prepare_tiling
@@ -51,6 +56,10 @@ SCHEDULER_FILE = "scheduler.pt"
 
 def _optim_name(optim: Any) -> str:
     return str(getattr(optim, "value", optim))
+
+
+def _saves_checkpoints(args: HFTrainingArguments) -> bool:
+    return str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
 
 
 class SuperOffloadHooks:
@@ -105,17 +114,23 @@ class SuperOffloadHooks:
 
     def _train(self, original_train, resume_from_checkpoint=None, *args, **kwargs):
         trainer = self.trainer
-        plan = resolve_resume(resume_from_checkpoint, trainer.args.output_dir,
-                              weights_only=bool(getattr(trainer.args, "resume_weights_only", False)))
+        plan = resolve_resume(resume_from_checkpoint, trainer.args.output_dir, weights_only=self.resume_weights_only())
         for path, why in plan.skipped:
             logger.warning("superoffload: skipped incomplete checkpoint %s: %s", path, why)
         if plan.checkpoint is None:
+            if _saves_checkpoints(trainer.args):
+                check_new_run_output(trainer.args.output_dir)
             return original_train(None, *args, **kwargs)
         logger.info("superoffload: %s", plan.describe()[-1])  # news, not a warning (`superoffload train` prints it)
         if plan.weights_only:
             load_weights_only(trainer, plan.checkpoint)
             return original_train(None, *args, **kwargs)
         return original_train(str(plan.checkpoint), *args, **kwargs)
+
+    def resume_weights_only(self) -> bool:
+        """`resume_weights_only` of the arguments (ours) or of the superoffload block (a stock
+        script under `superoffload launch`, whose argument parser knows no such flag)."""
+        return bool(getattr(self.trainer.args, "resume_weights_only", False) or self.plugin.resume_weights_only)
 
     def create_optimizer(self, model=None):
         trainer = self.trainer
@@ -175,11 +190,11 @@ class SuperOffloadHooks:
         logger.info("superoffload: %s", line)
 
     def save_model(self, original, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """Weight-flow: every unit's weights onto the device first (`fetch_weights`). The Trainer
-        runs `save_model` on every rank (`_save_checkpoint` calls it; the user's script calls it
-        everywhere) but reads the weights in `_save` on the main process only: under data
-        parallelism a fetch is an all-gather every rank joins, so it happens here, on every rank,
-        or rank 0's `state_dict()` would wait for the others forever."""
+        """Weight-flow: `fetch_weights` first. The Trainer runs `save_model` on every rank
+        (`_save_checkpoint` calls it; the user's script calls it everywhere) but reads the weights
+        in `_save` on the main process only: under data parallelism the flowing weights are
+        gathered (an all-gather every rank joins) here, on every rank, onto rank 0's host, or rank
+        0's `state_dict()` would wait for the others forever."""
         optimizer = unwrap_optimizer(self.trainer.optimizer)
         if optimizer is not None:  # None: save_model before train() built it (nothing flows yet)
             optimizer.fetch_weights()

@@ -181,6 +181,11 @@ def apply_tiled_loss(model: torch.nn.Module, chunk_tokens: int = TILED_LOSS_CHUN
         rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
         return CausalLMOutputWithPast(loss=loss, logits=logits, **rest)
 
+    # the model's own signature: a Trainer built on the tiled model keeps the dataset columns
+    # the forward takes (it reads them from the signature; (*args, **kwargs) would drop them)
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    tiled_loss_forward.__signature__ = inspect.signature(own_forward).replace(
+        parameters=[self_parameter, *parameters.values()])
     setattr(model, _WRAPPED, own_forward)
     model.forward = types.MethodType(tiled_loss_forward, model)
     head.forward = types.MethodType(_head_forward, head)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from superoffload_hf.config import AUTO, TILED_AUTO_SHARE, SuperOffloadConfig
-from superoffload_hf.parallel.tiled_loss import _head_and_decoder, apply_tiled_loss
-from superoffload_hf.parallel.tiled_mlp import apply_tiled_mlp, decoder_mlps
+from superoffload_hf.parallel.tiled_loss import _head_and_decoder, apply_tiled_loss, is_tiled_loss
+from superoffload_hf.parallel.tiled_mlp import apply_tiled_mlp, decoder_mlps, is_tiled_mlp
 
 logger = logging.getLogger("superoffload_hf.parallel.tiling")
 
@@ -72,6 +72,10 @@ def prepare_tiling(model, config: SuperOffloadConfig, device_is_host: bool,
     model the tiling cannot wrap is an error; "auto" leaves such a model alone."""
     from superoffload_hf.perf.activation_memory import DecoderShape
 
+    if is_tiled_loss(model) or (_wraps(lambda: decoder_mlps(model)) and is_tiled_mlp(model)):
+        logger.info("superoffload: the model is tiled already (by an earlier optimizer on it, or apply_tiled_*): "
+                    "kept as it is")
+        return None
     tiled_loss, tiled_mlp = config.tiled_loss, config.tiled_mlp
     estimable = _wraps(lambda: DecoderShape.from_config(model.config))  # a Llama-style config
     if tiled_loss == AUTO and not (estimable and _wraps(lambda: _head_and_decoder(model))):

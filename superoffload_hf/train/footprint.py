@@ -82,7 +82,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     element_bytes = DTYPES[config.device_dtype].itemsize
     lines.append(host_check_line(rows, not accelerator, activation_pinned_bytes(
         recipe, model_config, config.activation_offload, element_bytes, not accelerator,
-        max(H200_BYTES - n * element_bytes, 0))))
+        max(H200_BYTES - n * element_bytes, 0)), config.host_memory_budget))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
     return "\n".join(lines)
@@ -329,7 +329,8 @@ def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, nu
             f"{choice.describe().replace(': ', ' - ')}"]
 
 
-def host_check_line(rows, device_is_host: bool, activation_pinned: int = 0) -> str:
+def host_check_line(rows, device_is_host: bool, activation_pinned: int = 0,
+                    budget_bytes: Optional[int] = None) -> str:
     """What the engine's check before allocating compares (engine/host_limit.py), against this
     machine's memory now: the host buffers plus the re-plan's transient, plus activation
     offload's pinned pool (`activation_pinned`, reserved before training)."""
@@ -342,7 +343,7 @@ def host_check_line(rows, device_is_host: bool, activation_pinned: int = 0) -> s
             f"({transient / 1e9:.3f} GB of it the re-plan's transient")
     line += f", {activation_pinned / 1e9:.3f} GB activation offload's pinned pool)" if activation_pinned else ")"
     line += f"; {fits_hosts(need)}"
-    left = host_memory_left(None)
+    left = host_memory_left(None, budget_bytes)
     if left is None:
         return line
     fits = "fits" if need <= left[0] else "does NOT fit (the optimizer would refuse it, see host_memory_check)"

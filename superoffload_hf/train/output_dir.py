@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from superoffload_hf.integrations.resume import WEIGHT_FILES, checkpoints_newest_first
+from superoffload_hf.integrations.resume import WEIGHT_FILES, checkpoints_newest_first, free_sibling
 from superoffload_hf.train.recipe import RecipeError
 
 OVERWRITE_FLAG = "--overwrite_output_dir"
@@ -43,7 +43,7 @@ def check_no_previous_run(output_dir: Path, resuming: bool, overwrite: bool) -> 
     raise OutputDirError(
         f"`training.output_dir` {str(output_dir)!r} holds another run's checkpoints ({names}), which a new run "
         f"would rotate away or mix with. Resume that run with `--training.resume_from_checkpoint true`, train "
-        f"into a new directory with `--training.output_dir {_free_sibling(output_dir)}`, or replace them with "
+        f"into a new directory with `--training.output_dir {free_sibling(output_dir)}`, or replace them with "
         f"`{OVERWRITE_FLAG}`.")
 
 
@@ -83,10 +83,3 @@ def _write_problem(directory: Path) -> Optional[str]:
         return error.strerror or str(error)
     return None
 
-
-def _free_sibling(output_dir: Path) -> str:
-    for n in range(2, 1000):
-        candidate = output_dir.with_name(f"{output_dir.name}_{n}")
-        if not candidate.exists():
-            return str(candidate)
-    return str(output_dir.with_name(f"{output_dir.name}_new"))

@@ -456,13 +456,18 @@ class Recipe:
         # As the integration resolves it: bf16 -> bf16 weights, fp16 -> fp16, neither -> fp32.
         return "bfloat16" if self.training.get("bf16") else "float16" if self.training.get("fp16") else "float32"
 
+    @property
+    def resume_weights_only(self) -> bool:
+        """`training.resume_weights_only`, or the `superoffload:` section's field of that name."""
+        return bool(self.training.get("resume_weights_only") or (self.superoffload or {}).get("resume_weights_only"))
+
     def resume_plan(self) -> Any:
         """What `training.resume_from_checkpoint` loads (superoffload_hf.integrations.resume)."""
         from superoffload_hf.integrations.resume import ResumeError, resolve_resume
 
         try:
             return resolve_resume(self.training.get("resume_from_checkpoint"), self.training["output_dir"],
-                                  weights_only=bool(self.training.get("resume_weights_only")))
+                                  weights_only=self.resume_weights_only)
         except ResumeError as exc:
             raise RecipeError(f"`training.resume_from_checkpoint`: {exc}") from exc
 
