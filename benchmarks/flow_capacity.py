@@ -49,7 +49,7 @@ def meta_llama(hidden: int, layers: int, intermediate: int):
 
 def row(name: str, hidden: int, layers: int, intermediate: int, activation_bytes: int, tokens: int) -> dict:
     from superoffload_hf import SuperOffloadConfig
-    from superoffload_hf.engine.flow_choice import choose_depth
+    from superoffload_hf.engine.flow_choice import choose_depth, device_margin
     from superoffload_hf.engine.layout import decide_layout, dry_run_machine
     from superoffload_hf.engine.memory import footprint
     from superoffload_hf.train.footprint import H200
@@ -58,7 +58,8 @@ def row(name: str, hidden: int, layers: int, intermediate: int, activation_bytes
     params = list(model.parameters())
     groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}]
     machine = dry_run_machine(True, "auto", free_bytes=H200["device_bytes"], total_bytes=H200["device_bytes"],
-                              params_counted=True, h2d_gbps=H200["link_gbps"])
+                              params_counted=True, h2d_gbps=H200["link_gbps"],
+                              margin_bytes=device_margin(H200["device_bytes"]))
     base = SuperOffloadConfig(device_dtype="bf16", device_activation_bytes=activation_bytes)
     auto = decide_layout(params, groups, base.replace(weights="auto"), machine, model)
     # where every unit fits the device, "auto" keeps them there: the choice of flowing them all
@@ -68,7 +69,7 @@ def row(name: str, hidden: int, layers: int, intermediate: int, activation_bytes
     choice = flow.flow_choice
     per_element = 2 * tokens / (H200["flops"] * H200["utilisation"])
     timed = choose_depth(choice, H200["link_gbps"] * 1e9, per_element,
-                         headroom_bytes=max(0, H200["device_bytes"] - choice.peak_flow))
+                         headroom_bytes=max(0, H200["device_bytes"] - choice.margin_bytes - choice.peak_flow))
     stays = auto.flow_choice is None
     # (speculation off: no rollback snapshot of the compact bytes; "auto" keeps one where the host
     # memory allows, engine/snapshot_trade.py)

@@ -99,12 +99,19 @@ class SuperOffloadConfig:
     prefetched ahead, released after it (storage resized to 0), fetched again in reverse order
     for its backward and released when its gradients have left. Under data parallelism each
     fetch all-gathers the unit's buckets from the ranks' shards (a collective: every rank runs
-    the same forwards, and calls `model.state_dict()` together). "auto": flow when the weights,
-    the engine's device buffers and `device_activation_bytes` do not fit in the free device
-    memory, else stationary (under data parallelism: flow on every rank, every unit, when they do
-    not fit on some rank's device); in one process, when it flows, per unit: the fewest units flowing that fit, the units whose fetch hides best behind their compute first
+    the same forwards, and calls `model.state_dict()` together, or `optimizer.fetch_weights()`
+    together and then `model.state_dict()` on rank 0 alone); between uses a flowing parameter is
+    released: the model's state dict holds host copies of its weights, `p.copy_(x)` /
+    `load_state_dict` write the host copy, other reads of it raise naming `model.state_dict()`.
+    "auto": flow when the weights, the engine's device buffers and `device_activation_bytes` do
+    not fit in the free device memory, else stationary (under data parallelism: flow on every
+    rank, every unit, when they do not fit on some rank's device); in one process, when it flows,
+    per unit: the fewest units flowing that fit, the units whose fetch hides best behind their
+    compute first
     (the others stay on the device), prefetched as deep as the link speed and the forward time
-    measured in the first step call for (engine/flow_choice.py). `device_dtype` fp32 or bf16
+    measured in the first step call for (engine/flow_choice.py). "auto" keeps a margin of the
+    device free: 5% of it, or the caching allocator's measured slack where larger (the flow and
+    compute streams' pools cannot serve each other). `device_dtype` fp32 or bf16
     (docs/weight-flow.md)."""
 
     device_activation_bytes: int = 0
@@ -185,10 +192,14 @@ class SuperOffloadConfig:
     often several times faster for the tens of GB a large model pins. "auto": where the plan
     pins 1 GB or more, page-lock 64 MiB by each method at construction and keep the one that
     pins faster without losing over 5% of the other's copy bandwidth; else "alloc". Set only while
-    the engine allocates its arenas (the allocator setting is global to the process), repeating the
-    user's own allocator settings (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF), and never where
-    the user set `pinned_use_cuda_host_register` or `pinned_num_register_threads` there. The log's
-    page-locking line says which method ran, why, and how long it took; nothing to choose on the CPU."""
+    the engine allocates its arenas (the allocator setting is global to the process). A setting
+    the user made is never changed: where the user's allocator settings (`PYTORCH_CUDA_ALLOC_CONF`,
+    `PYTORCH_ALLOC_CONF`, `torch._C._accelerator_setAllocatorSettings`) name
+    `pinned_use_cuda_host_register` or `pinned_num_register_threads`, the engine pins as they say
+    and writes nothing; otherwise each switch writes the user's other settings again (torch resets
+    `max_split_size_mb`, `roundup_power2_divisions` and `garbage_collection_threshold` to their
+    defaults at every parse). The log's page-locking line says which method ran, why, and how long
+    it took; nothing to choose on the CPU."""
 
     host_memory_check: bool = True
     """Before allocating the host buffers (and before a re-plan), compare what the plan needs,

@@ -180,23 +180,77 @@ def test_the_pinned_pool_is_reused_across_steps():
         assert "activation offload on (on): 4 blocks, prefetch depth 1, 0.012 MB pinned" in offload.describe()
 
 
+def _steps_at(model, opt, seqs) -> None:
+    for step, seq in enumerate(seqs):
+        (batch,) = micro_batches(step, seq=seq)
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+ROUNDED_SEQ = 12  # a block input of 2 x 12 x 32 x 4 = 3072 bytes: the host allocator takes 4096
+
+
 @pytest.mark.sim
-def test_the_pinned_pool_counts_the_rounded_blocks_it_holds_and_frees_what_a_longer_sequence_cannot_reuse(sim):
-    """CUDA's pinned allocator (and the simulated one) rounds each block up to a power of two:
-    the pool counts what the allocator holds, not the requests (issue 29 item 9), reuses a block
-    for a slightly longer input, and frees the blocks no longer input fits."""
+def test_the_pinned_pool_counts_the_blocks_the_host_allocator_rounds_to_a_power_of_two(sim):
+    """The pool's figure is the simulated host allocator's: every offloaded input's block
+    rounded up to a power of two (3072 -> 4096 bytes), not the bytes requested."""
     model = _checkpointed()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    before = sim.host_memory.pinned_reserved
     with apply_activation_offload(model, sim) as offload:
-        for seq, block in ((12, 4096), (16, 4096), (24, 8192)):  # inputs of 3072, 4096, 6144 bytes
-            for step in range(2):
-                (batch,) = micro_batches(step, seq=seq)
-                model(**batch).loss.backward()
-                opt.step()
-                opt.zero_grad()
-            assert offload.pinned_bytes == 3 * block == sim.host_memory.pinned_in_use, (seq, offload.pinned_bytes)
-        assert offload.pool.allocations == 6  # 3 blocks at 4096 (reused at seq 16), 3 at 8192
+        _steps_at(model, opt, [ROUNDED_SEQ] * 2)
+        assert sim.host_memory.pinned_reserved - before == 3 * 4096
+        assert offload.pinned_bytes == 3 * 4096 and offload.pool.allocations == 3
     assert not sim.errors, sim.errors
+
+
+@pytest.mark.sim
+def test_the_pinned_pool_is_sized_before_training_and_refuses_an_input_past_its_bound(sim):
+    model = _checkpointed()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    before = sim.host_memory.pinned_reserved
+    with apply_activation_offload(model, sim) as offload:
+        assert offload.reserve(2 * ROUNDED_SEQ * 32 * 4) == 3 * 4096
+        assert sim.host_memory.pinned_reserved - before == 3 * 4096  # page-locked before the first forward
+        _steps_at(model, opt, [ROUNDED_SEQ, 8, ROUNDED_SEQ, 16])  # 16: 4096 bytes, as rounded
+        assert offload.pool.allocations == 3 and sim.host_memory.pinned_reserved - before == 3 * 4096
+        with pytest.raises(MemoryError, match=r"a block input of 5120 bytes needs a page-locked buffer of 8192 "
+                                              r"bytes; with the 3 of one forward the pool would hold 24576 bytes, "
+                                              r"over the 12288 bytes reserved before training"):
+            _steps_at(model, opt, [20])
+        assert offload.pinned_bytes == 3 * 4096 and offload.pool.allocations == 3  # the reservation intact
+    assert not sim.errors, sim.errors
+
+
+@pytest.mark.sim
+def test_without_a_reservation_the_pool_holds_one_forward_at_the_longest_sequence_so_far(sim):
+    """Before: every longer sequence added a new buffer per block and kept the smaller ones."""
+    model = _checkpointed()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    before = sim.host_memory.pinned_reserved
+    with apply_activation_offload(model, sim) as offload:
+        _steps_at(model, opt, [8, ROUNDED_SEQ, 20, ROUNDED_SEQ, 8])
+        assert offload.pinned_bytes == 3 * 8192
+        assert sim.host_memory.pinned_reserved - before == 3 * 8192  # the smaller blocks went back to the system
+    assert not sim.errors, sim.errors
+
+
+@pytest.mark.sim
+def test_a_reservation_the_host_memory_cannot_hold_is_refused_before_training_with_the_figures(monkeypatch):
+    SimRuntime.reset_shared(host_budget_bytes=0)
+    monkeypatch.setenv(SIM_ENV_VAR, "1")
+    try:
+        sim = SimRuntime.shared()
+        model = _checkpointed()
+        offload = apply_activation_offload(model, sim)
+        with pytest.raises(MemoryError, match=r"activation offload: 3 block inputs of 3072 bytes take 12288 bytes "
+                                              r"of page-locked host memory \(4096 a block.*leaves 0"):
+            offload.reserve(3072)
+        assert offload.pool.allocations == 0
+        offload.remove()
+    finally:
+        SimRuntime.reset_shared()
 
 
 # ---- mutation tests ------------------------------------------------------------------------------
@@ -327,6 +381,7 @@ def test_the_trainer_applies_activation_offload_on_and_trains_the_same_weights(t
     on, on_losses, on_params = _trainer_run(tmp_path, "on")
     hooks = on.superoffload.activation_offload
     assert hooks is not None and hooks.bytes_fetched > 0 and hooks.pinned_bytes == 3 * 4 * 16 * 32 * 4
+    assert hooks.pool.limit_bytes == hooks.pinned_bytes  # sized from the train dataset before training
     off, off_losses, off_params = _trainer_run(tmp_path, "off")
     assert off.superoffload.activation_offload is None
     assert not sim.errors, sim.errors
@@ -362,16 +417,31 @@ def test_the_dry_run_line_states_the_inputs_the_pinned_bytes_and_the_decision():
                              data=SimpleNamespace(seq_len=512 * 1024))
     line = dry_run_line(recipe, llama8b, "auto", 2, device_is_host=False)
     assert line == ("  activation offload auto; checkpointed block inputs 137.439 GB on the device (32 x 4.295 GB at "
-                    "524288 tokens a micro-batch), offloaded 133.144 GB pinned host - auto: on if the device has less "
+                    "524288 tokens a micro-batch), offloaded 133.144 GB, 133.144 GB pinned host (each block rounded up "
+                    "to a power of two by the host allocator) - auto: on if the device has less "
                     "than 549.756 GB free at the first training forward (they would take over 25% of it)")
+    recipe.data.seq_len = 300 * 1024  # 2.517 GB a block: 4.295 GB page-locked
+    assert ("offloaded 78.014 GB, 133.144 GB pinned host" in dry_run_line(recipe, llama8b, "on", 2, device_is_host=False))
     assert dry_run_line(recipe, llama8b, "on", 2, device_is_host=True).endswith(" - not applied, the device is the host")
-    recipe.data.seq_len = 3 * 128 * 1024  # 3.221 GB a block: the pinned allocator takes 4.295 GB
-    assert ("(32 x 3.221 GB at 393216 tokens a micro-batch), offloaded 133.144 GB pinned host, each block rounded up "
-            "to 4.295 GB - on") in dry_run_line(recipe, llama8b, "on", 2, device_is_host=False)
-    recipe.data.seq_len = 512 * 1024
+    from superoffload_hf.parallel.activation_offload import dry_run_pinned_bytes
+
+    assert dry_run_pinned_bytes(recipe, llama8b, "on", 2, False) == 31 * 2**32  # what the host check adds
+    assert dry_run_pinned_bytes(recipe, llama8b, "auto", 2, False, free_device_bytes=141 * 10**9) == 31 * 2**32
+    assert dry_run_pinned_bytes(recipe, llama8b, "auto", 2, False, free_device_bytes=10**12) == 0  # auto: off
+    assert dry_run_pinned_bytes(recipe, llama8b, "on", 2, True) == dry_run_pinned_bytes(recipe, llama8b, "off", 2, False) == 0
     recipe.training["gradient_checkpointing"] = False
+    assert dry_run_pinned_bytes(recipe, llama8b, "on", 2, False) == 0
     assert dry_run_line(recipe, llama8b, "on", 2, device_is_host=False).endswith(
         " - refused: it needs `training.gradient_checkpointing: true`")
+
+
+def test_the_dry_runs_host_check_counts_the_offloads_pinned_pool():
+    from superoffload_hf.train.footprint import host_check_line
+
+    without, with_pool = host_check_line([], False), host_check_line([], False, 3 * 10**9)
+    assert without.startswith("  host memory checked before allocating 0.000 GB "), without
+    assert with_pool.startswith("  host memory checked before allocating 3.000 GB with the re-plan after step 1 "
+                                "(0.000 GB of it the re-plan's transient, 3.000 GB activation offload's pinned pool)")
 
 
 # ---- the simulator's booked activations (SimRuntime.adopt_activation) -----------------------------

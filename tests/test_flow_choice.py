@@ -11,8 +11,9 @@ import torch
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.device import SIM_ENV_VAR
-from superoffload_hf.engine.flow_choice import (UnitCost, choose_depth, choose_flow, device_peak, exposed_seconds,
-                                                hiding_order, spread_order)
+from superoffload_hf.engine.flow_choice import (DEVICE_MARGIN_SHARE, UnitCost, choose_depth, choose_flow, choose_weights,
+                                                device_margin, device_peak, exposed_seconds, hiding_order,
+                                                spread_order)
 from superoffload_hf.testing.sim import SimRuntime, on_device
 
 from _models import engine_config, one_torch_thread, params_snapshot, tiny_batch, tiny_llama  # noqa: F401
@@ -67,6 +68,21 @@ def test_auto_flows_the_fewest_units_that_fit_the_best_hidden_first():
     assert all(choose_flow("flow", UNITS, other_bytes=0, free_bytes=10**9).flowing)
 
 
+def test_auto_leaves_the_margin_free_and_a_stationary_choice_is_the_users():
+    """The caching allocator's pools (flow's stream, compute's) cannot serve each other: "auto"
+    keeps DEVICE_MARGIN_SHARE of the device, or the allocator's measured slack where larger."""
+    assert device_margin(1000) == 50 and device_margin(1000, slack_bytes=80) == 80
+    margin = choose_flow("auto", UNITS, other_bytes=50, free_bytes=500, margin_bytes=50)
+    assert margin.flowing == choose_flow("auto", UNITS, other_bytes=50, free_bytes=450).flowing
+    assert margin.peak_flow <= 500 - 50 and (margin.free_bytes, margin.margin_bytes) == (450, 50)
+    assert "of 0.000 MB free after a margin of 0.000 MB" in margin.describe()
+    assert choose_flow("auto", UNITS, other_bytes=50, free_bytes=650).flowing_names == ()  # fits without one
+    assert choose_flow("auto", UNITS, other_bytes=50, free_bytes=650, margin_bytes=1).flowing_names != ()
+    assert choose_weights("auto", 600, 50, 650, 1000) == "stationary"
+    assert choose_weights("auto", 600, 50, 650, 1000, margin_bytes=1) == "flow"
+    assert choose_weights("stationary", 600, 50, 650, 1000, margin_bytes=50) == "stationary"
+
+
 def test_the_activation_bytes_are_a_config_field_counted_against_the_device():
     assert SuperOffloadConfig().device_activation_bytes == 0
     with pytest.raises(ConfigError, match=r"`device_activation_bytes` is -1; expected an integer >= 0"):
@@ -119,6 +135,28 @@ def test_auto_keeps_some_units_on_a_quarter_budget_and_trains_like_stationary_on
             assert "model.embed_tokens" not in layout.flow_choice.flowing_names
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"parameter {i} differs from stationary on the CPU"
+
+
+def test_auto_on_the_simulated_device_leaves_the_margin_of_its_memory_free(monkeypatch):
+    """A budget of half the weights, where the margin makes one more unit flow (13, not 12)."""
+    budget = sum(p.numel() * 4 for p in tiny_llama(LAYERS, vocab_size=VOCAB).parameters()) // 2
+    SimRuntime.reset_shared(index=1, device_budget_bytes=budget)
+    monkeypatch.setenv(SIM_ENV_VAR, "1")
+    try:
+        with on_device(1):
+            _, opt, _ = _train("auto", steps=1)
+            with opt:
+                choice = opt._engine.layout.flow_choice
+                margin = int(DEVICE_MARGIN_SHARE * budget)  # the simulated device has no allocator slack
+                assert choice.margin_bytes == margin and choice.peak_flow <= choice.free_bytes
+                without = choose_flow("auto", choice.units, other_bytes=choice.other_bytes,
+                                      free_bytes=choice.free_bytes + margin)
+                assert (sum(choice.flowing), sum(without.flowing)) == (13, 12)
+                assert without.peak_flow > choice.free_bytes  # without the margin it would have eaten into it
+                assert opt.device_memory_peak() <= budget - margin
+        assert not SimRuntime.shared().errors
+    finally:
+        SimRuntime.reset_shared()
 
 
 def test_activation_bytes_make_auto_flow_more_units(quarter_budget):

@@ -4,6 +4,7 @@ method chosen once, in force only while the arenas are allocated, torch's defaul
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -112,28 +113,100 @@ def test_a_pin_method_that_is_not_one_of_the_three_is_refused_naming_the_choices
         SuperOffloadConfig(pin_method="cudaHostRegister")
 
 
-@pytest.mark.parametrize("var", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
-def test_switching_the_pinning_method_repeats_the_users_allocator_settings_and_leaves_their_own_choice(
-        monkeypatch, var):
-    """torch resets the allocator settings a parse does not name (issue 29 item 12): every string
-    the engine hands the parser keeps what the user set, and a pinning method the user chose
-    is never changed. On the CPU: the CUDA runtime's call, with the parser recorded."""
+class _TorchAllocatorSettings:
+    """torch's allocator settings as its parser keeps them: every parse resets max_split_size_mb,
+    roundup_power2_divisions and garbage_collection_threshold to their defaults before applying
+    the string's keys; the getter returns the last string parsed."""
+
+    RESET = {"max_split_size_mb": None, "roundup_power2_divisions": None, "garbage_collection_threshold": None}
+
+    def __init__(self, initial: str):
+        self.state = {"pinned_use_cuda_host_register": "False", "pinned_num_register_threads": "1", **self.RESET}
+        self.writes = []
+        self.parse(initial)
+
+    def parse(self, settings: str) -> None:
+        self.last = settings
+        self.state.update(self.RESET)
+        for item in re.split(r",(?![^\[]*\])", settings):  # commas outside brackets
+            if item.strip():
+                key, _, value = item.strip().partition(":")
+                self.state[key] = value
+
+    def set(self, settings: str) -> None:
+        self.writes.append(settings)
+        self.parse(settings)
+
+
+def _cuda_runtime_with(monkeypatch, user: str):
     from superoffload_hf.device.accelerator import AcceleratorRuntime
+
+    torch_settings = _TorchAllocatorSettings(user)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: torch_settings.last, raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", torch_settings.set, raising=False)
+    return AcceleratorRuntime(torch.device("cuda", 0)), torch_settings
+
+
+USER_SETTINGS = "max_split_size_mb:256,roundup_power2_divisions:[256:1,>:2],garbage_collection_threshold:0.6,expandable_segments:True"
+
+
+@pytest.mark.parametrize("mode", ["register", "auto"])
+def test_switching_the_pinning_method_keeps_every_allocator_setting_the_user_made(monkeypatch, mode):
+    """torch resets three settings at every parse: the user's max_split_size_mb,
+    roundup_power2_divisions and garbage_collection_threshold stay in force while the engine pins
+    by cudaHostRegister and after it switches back; the settings read back are the user's."""
+    runtime, torch_settings = _cuda_runtime_with(monkeypatch, USER_SETTINGS)
+    user_state = dict(torch_settings.state)
+    measure = lambda *args: _measured(9.0, 50.0)  # noqa: E731 (register pins faster)
+    method = choose_pin_method(runtime, mode, 8, AUTO_MIN_PINNED_BYTES, measure)
+    assert method.register
+    with method.applied(runtime):
+        assert torch_settings.state == {**user_state, "pinned_use_cuda_host_register": "True",
+                                        "pinned_num_register_threads": "8"}
+    assert torch_settings.state == {**user_state, "pinned_num_register_threads": "8"}  # (no effect with alloc)
+    assert runtime.host_register(False, 8)  # nothing of the engine's left: nothing more written
+    writes = len(torch_settings.writes)
+    assert choose_pin_method(runtime, "register", 8, AUTO_MIN_PINNED_BYTES).register  # a second engine
+    assert len(torch_settings.writes) == writes
+
+
+@pytest.mark.parametrize("user", ["pinned_use_cuda_host_register:True,pinned_num_register_threads:16",
+                                  "max_split_size_mb:128,pinned_use_cuda_host_register:False",
+                                  "pinned_num_register_threads:4"])
+@pytest.mark.parametrize("mode", ["alloc", "register", "auto"])
+def test_a_pinning_method_the_user_set_in_the_allocator_settings_is_never_changed(monkeypatch, user, mode):
+    runtime, torch_settings = _cuda_runtime_with(monkeypatch, user)
+    method = choose_pin_method(runtime, mode, 8, AUTO_MIN_PINNED_BYTES, lambda *args: _measured(9.0, 50.0))
+    with method.applied(runtime):
+        pass
+    assert torch_settings.writes == [] and torch_settings.last == user
+    assert not method.register and "user's allocator settings" in method.reason
+
+
+def test_the_allocator_settings_written_are_the_users_plus_the_pinning_keys():
+    from superoffload_hf.device.accelerator import pinning_settings
+
+    assert pinning_settings("", True, 8) == "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+    assert pinning_settings(USER_SETTINGS, False, 8) == USER_SETTINGS + ",pinned_use_cuda_host_register:False"
+    assert pinning_settings(" max_split_size_mb:64 ,", True, 2) == \
+        "max_split_size_mb:64,pinned_use_cuda_host_register:True,pinned_num_register_threads:2"
+    assert pinning_settings("pinned_use_hip_host_register:True", True, 8) is None
+
+
+def test_switching_the_pinning_method_repeats_the_users_allocator_settings_and_leaves_their_own_choice(monkeypatch):
+    """torch resets the allocator settings a parse does not name (issue 29 item 12): every string
+    the engine hands the parser keeps what the user set, with the register threads rounded down to
+    the power of two torch takes, and a pinning method the user chose is never changed."""
     from superoffload_hf.engine.pin_method import PinMethod
 
-    parsed = []
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", parsed.append, raising=False)
-    for other in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        monkeypatch.delenv(other, raising=False)
-    monkeypatch.setenv(var, "expandable_segments:True,max_split_size_mb:128")
-    runtime = AcceleratorRuntime(torch.device("cuda", 0))
+    runtime, torch_settings = _cuda_runtime_with(monkeypatch, "expandable_segments:True,max_split_size_mb:128")
     with PinMethod(True, 6, "test").applied(runtime):
         pass
-    assert parsed == ["expandable_segments:True,max_split_size_mb:128,pinned_use_cuda_host_register:True,"
-                      "pinned_num_register_threads:4",
-                      "expandable_segments:True,max_split_size_mb:128,pinned_use_cuda_host_register:False"]
-    parsed.clear()
-    monkeypatch.setenv(var, "pinned_use_cuda_host_register:True,pinned_num_register_threads:16")
+    user = "expandable_segments:True,max_split_size_mb:128"
+    assert torch_settings.writes == [user + ",pinned_use_cuda_host_register:True,pinned_num_register_threads:4",
+                                     user + ",pinned_use_cuda_host_register:False"]
+    user = "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"
+    runtime, torch_settings = _cuda_runtime_with(monkeypatch, user)
     with PinMethod(True, 6, "test").applied(runtime):
         assert not runtime.host_register(False)
-    assert parsed == []
+    assert torch_settings.writes == []

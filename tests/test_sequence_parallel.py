@@ -184,6 +184,47 @@ def test_batches_the_shard_cannot_split_correctly_are_refused_saying_why(batch, 
         shard_sequence(batch, 0, 2)
 
 
+def _padded_batch(left: bool = False, step: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.arange(16).reshape(2, 8) + 10 * step
+    mask = torch.ones(2, 8, dtype=torch.long)
+    if left:
+        mask[1, :3] = 0  # row 1 padded on the left
+    else:
+        mask[1, 5:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(8).expand(2, 8)}
+
+
+def test_the_batch_checks_read_nothing_on_the_host_after_the_first_batch_and_report_a_bad_one_a_call_late():
+    """On a GPU `bool(...)`, `.nonzero()` and `.tolist()` of device data each synchronise the
+    device (before: 2 `__bool__` reads a batch with position_ids and a mask, more when one is bad):
+    the simulated device counts them; after the first batch there are none."""
+    from superoffload_hf.parallel.sequence_shard import BatchChecks
+    from superoffload_hf.testing.sim import SimRuntime
+
+    sim = SimRuntime()
+    try:
+        checks = BatchChecks(sim)
+        shard_sequence(_padded_batch(), 0, 2, check=checks)  # the first batch: read at once
+        with sim.count_host_reads() as reads:
+            shards = [shard_sequence(_padded_batch(step=step), 1, 2, check=checks) for step in range(1, 4)]
+            shard_sequence(_padded_batch(left=True), 0, 2, check=checks)  # bad: not read yet
+        assert reads == {}, reads
+        assert shards[0]["shift_labels"].tolist() == [[15, 16, 17, -100], [23, -100, -100, -100]]  # the pads ignored
+        with pytest.raises(ValueError, match=r"the batch before this one \(checked a call late, not to "
+                                             r"synchronise the device\): `attention_mask` row 1 has a real token "
+                                             r"after a pad"):
+            shard_sequence(_padded_batch(), 0, 2, check=checks)
+        checks = BatchChecks(sim)
+        with pytest.raises(ValueError, match=r"shard_batch: `attention_mask` row 1 has a real token after a pad"):
+            shard_sequence(_padded_batch(left=True), 0, 2, check=checks)  # the first: at once
+        packed = {"input_ids": torch.ones(1, 4, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 0, 1]])}
+        shard_sequence(packed, 0, 2, check=checks)
+        with pytest.raises(ValueError, match=r"before this one.*`position_ids` row 0 goes from 1 to 0 at token 2"):
+            checks.settle(wait=True)
+    finally:
+        sim.close()
+
+
 # ---- configuration -------------------------------------------------------------------------------
 
 

@@ -644,3 +644,31 @@ def test_each_omitted_transfer_sync_is_caught(sync):
     expected = CAUGHT_BY.get(sync, "")
     outcomes = [_caught(sync, schedule) for schedule in SCHEDULES]
     assert any(o is not None and expected in o for o in outcomes), f"omitting {sync}: {outcomes}"
+
+
+def test_count_host_reads_counts_each_read_of_device_data_a_backward_included_and_not_pinned_host_buffers():
+    sim = SimRuntime()
+
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad.tolist()  # a read no torch-function mode sees (autograd runs backward without them)
+            return grad * 2
+
+    t = torch.tensor([0.0, 1.0, 2.0])
+    pinned = sim.host_empty(3, torch.float32, pinned=True).fill_(1.0)
+    try:
+        with sim.count_host_reads() as reads:
+            bool(t[1]), t[2].item(), t.tolist(), t.nonzero(), torch.nonzero(t), int(t[1])
+            pinned.tolist(), bool(pinned[0])  # host memory: no synchronisation
+            x = torch.ones(2, requires_grad=True)
+            ReadsInBackward.apply(x).sum().backward()
+        assert reads == {"__bool__": 1, "item": 1, "tolist": 2, "nonzero": 2, "__int__": 1}, reads
+        t.tolist()
+        assert reads["tolist"] == 2 and "tolist" not in vars(torch.Tensor)  # put back: inherited again
+    finally:
+        sim.close()

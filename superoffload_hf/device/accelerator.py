@@ -14,7 +14,6 @@ Hazards of the generic API handled here, once:
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Iterator, Optional
 
@@ -41,32 +40,39 @@ def _sanitizer_in_this_thread():
     return cuda_sanitizer.dispatch
 
 
-ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch reads the first one set
-PIN_SETTINGS = ("pinned_use_cuda_host_register", "pinned_num_register_threads")
+# torch's allocator settings keys that choose how new host blocks are page-locked
+PINNING_KEYS = ("pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_num_register_threads")
+_WRITTEN: dict[str, str] = {}  # settings string host_register wrote -> the user's settings it kept
 
 
-def user_allocator_settings(environ=os.environ) -> dict[str, str]:
-    """The allocator settings the user gave torch in the environment, key -> value, in order."""
-    text = next((environ[v] for v in ALLOC_CONF_VARS if environ.get(v)), "")
-    settings = {}
-    for part in text.split(","):
-        key, sep, value = part.partition(":")
-        if key.strip() and sep:
-            settings[key.strip()] = value.strip()
-    return settings
+def allocator_setting_items(settings: str) -> list[tuple[str, str]]:
+    """(key, value) of each `key:value` of an allocator settings string (commas inside brackets,
+    as in `roundup_power2_divisions:[256:1,>:2]`, belong to the value)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(settings + ","):
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            item = settings[start:i].strip()
+            if item:
+                key, _, value = item.partition(":")
+                items.append((key.strip(), value.strip()))
+            start = i + 1
+    return items
 
 
-def allocator_settings(enabled: bool, threads: int, user: dict[str, str]) -> Optional[str]:
-    """The string for torch's allocator-settings parser that switches cudaHostRegister pinning on
-    or off and keeps every setting the user made: torch resets settings a parse does not name, so
-    the user's are repeated. None where the user chose the pinning method: it is theirs."""
-    if any(key in user for key in PIN_SETTINGS):
+def pinning_settings(user: str, enabled: bool, threads: int) -> Optional[str]:
+    """The allocator settings string that pins new host blocks by cudaHostRegister (`enabled`,
+    `threads` threads) or cudaHostAlloc while keeping every setting of `user` (the settings in
+    force before the engine touched them): torch resets max_split_size_mb,
+    roundup_power2_divisions and garbage_collection_threshold to their defaults at every parse,
+    so the user's are written again. None where `user` names a pinning key: the user chose."""
+    items = allocator_setting_items(user)
+    if any(key in PINNING_KEYS for key, _ in items):
         return None
-    threads = 1 << (max(1, min(int(threads), 128)).bit_length() - 1)  # torch wants a power of two <= 128
-    ours = {"pinned_use_cuda_host_register": "True" if enabled else "False"}
+    ours = [("pinned_use_cuda_host_register", "True" if enabled else "False")]
     if enabled:
-        ours["pinned_num_register_threads"] = str(threads)
-    return ",".join(f"{key}:{value}" for key, value in {**user, **ours}.items())
+        ours.append(("pinned_num_register_threads", str(threads)))
+    return ",".join(f"{key}:{value}" for key, value in items + ours)
 
 
 class AcceleratorRuntime:
@@ -102,15 +108,21 @@ class AcceleratorRuntime:
     def host_register(self, enabled: bool, threads: int = 8) -> bool:
         """torch's caching host allocator pins its new blocks by cudaHostRegister (of malloc'ed
         memory, faulted in by `threads` threads) instead of cudaHostAlloc; either way it rounds
-        and caches them alike. CUDA only. False where it did nothing: not CUDA, or the user chose
-        the pinning method themselves (allocator_settings)."""
+        and caches them alike. CUDA only. False, and nothing written, where the user's allocator
+        settings name the pinning method: theirs stands (pinning_settings)."""
+        getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-        if self.device.type != "cuda" or setter is None:
+        if self.device.type != "cuda" or setter is None or getter is None:
             return False
-        settings = allocator_settings(enabled, threads, user_allocator_settings())
+        current = getter()
+        user = _WRITTEN.get(current, current)  # a string this process wrote stands for the user's under it
+        threads = 1 << (max(1, min(int(threads), 128)).bit_length() - 1)  # torch wants a power of two <= 128
+        settings = pinning_settings(user, enabled, threads)
         if settings is None:
             return False
-        setter(settings)
+        if settings != current and (enabled or current != user):  # torch's default in force: nothing to write
+            setter(settings)
+            _WRITTEN[settings] = user
         return True
 
     def adopt(self, params) -> None:
@@ -177,6 +189,11 @@ class AcceleratorRuntime:
 
     def reset_peak_memory_stats(self) -> None:
         torch.accelerator.memory.reset_peak_memory_stats(self.device)
+
+    def allocator_slack(self) -> int:
+        """Bytes the caching allocator's pools hold beyond what they serve (reserved - allocated)."""
+        memory = torch.accelerator.memory
+        return max(0, int(memory.memory_reserved(self.device)) - int(memory.memory_allocated(self.device)))
 
     def memory_info(self) -> tuple[int, int]:
         info = getattr(torch.accelerator, "get_memory_info", None)

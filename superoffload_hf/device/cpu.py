@@ -80,6 +80,9 @@ class CpuRuntime:
     def reset_peak_memory_stats(self) -> None:
         pass
 
+    def allocator_slack(self) -> int:
+        return 0  # no caching allocator of a device
+
     def memory_info(self) -> tuple[int, int]:
         pages, page = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         return pages * page, os.sysconf("SC_PHYS_PAGES") * page

@@ -48,6 +48,8 @@ A runtime offers (streams and events follow `torch.Stream` / `torch.Event`):
     max_memory_allocated() -> int | None  peak device bytes allocated since the start or
                                    reset_peak_memory_stats() (None: the CPU, not tracked)
     reset_peak_memory_stats()
+    allocator_slack() -> int       device bytes the caching allocator holds beyond what it serves
+                                   (reserved - allocated; 0 where there is none)
 
 Streams: `wait_event(event)`, `wait_stream(stream)`. Nothing in the seam blocks the host except
 `Event.synchronize()`: the engine never calls a device-wide synchronize.
@@ -57,6 +59,14 @@ from __future__ import annotations
 
 import contextlib
 from typing import Iterator
+
+
+def pinned_block_bytes(nbytes: int, rounds: bool = True) -> int:
+    """The host bytes a page-locked `host_empty` of `nbytes` takes where the runtime `rounds`
+    (pinned_rounds_to_power_of_two: torch's caching host allocator takes the next power of two)."""
+    if nbytes <= 0 or not rounds:
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
 
 
 class NullEvent:

@@ -387,7 +387,8 @@ class Engine:
         # the forward's time shared by matrix-multiply elements (the first step's forward also
         # waited for fetches at depth 1: an over-estimate of the compute, so a shallower prefetch)
         per_element = workload.forward_s / max(sum(u.compute for u in flow_choice.units), 1)
-        chosen = choose_depth(flow_choice, link, per_element, headroom_bytes=int(self.runtime.memory_info()[0]))
+        headroom = max(0, int(self.runtime.memory_info()[0]) - flow_choice.margin_bytes)  # (the margin stays free)
+        chosen = choose_depth(flow_choice, link, per_element, headroom_bytes=headroom)
         self.layout = dataclasses.replace(self.layout, flow=dataclasses.replace(self.layout.flow, depth=chosen.depth),
                                           flow_choice=chosen)
         self.flow.plan = self.layout.flow

@@ -21,13 +21,31 @@ from typing import Callable, Optional, Sequence
 import torch
 
 
+DEVICE_MARGIN_SHARE = 0.05
+"""The least share of the device's memory `weights: auto` leaves free. torch's caching allocator
+keeps a pool per stream: weight-flow's fetched weights are allocated on the flow stream, the
+activations on the compute stream, and a block one pool caches cannot serve the other; it also
+rounds every block (to 512 bytes, large ones in 2 MiB granules cut from 20 MiB segments), so the
+sum of the requests is less than what the device gives up. 5% is a choice (no GPU has run this
+yet), raised to the allocator's slack measured at construction where that is larger
+(`device_margin`)."""
+
+
+def device_margin(total_bytes: int, slack_bytes: int = 0) -> int:
+    """The device bytes "auto" keeps free: the caching allocator's slack measured now
+    (`slack_bytes`: reserved less allocated, what its pools hold beyond what they serve), and at
+    least DEVICE_MARGIN_SHARE of the device's `total_bytes`."""
+    return max(int(DEVICE_MARGIN_SHARE * total_bytes), int(slack_bytes))
+
+
 def choose_weights(choice: str, weight_bytes: int, buffer_bytes: int, free_bytes: int, total_bytes: int,
-                   all_ranks_fit: Optional[Callable[[bool], bool]] = None) -> str:
+                   all_ranks_fit: Optional[Callable[[bool], bool]] = None, margin_bytes: int = 0) -> str:
     """"auto": flow when the weights and the engine's device buffers do not fit in the free device
-    memory; "stationary" that does not fit is refused here, before anything is trained. Data
-    parallel: `all_ranks_fit(fits_here)` (a collective every rank calls) says whether they fit on
-    every rank, so that every rank decides the same (flow where any rank's device is too small)."""
-    fits_here = weight_bytes + buffer_bytes <= free_bytes
+    memory less `margin_bytes` (device_margin); "stationary" that does not fit is refused here,
+    before anything is trained (the user chose it: no margin is imposed). Data parallel:
+    `all_ranks_fit(fits_here)` (a collective every rank calls) says whether they fit on every
+    rank, so that every rank decides the same (flow where any rank's device is too small)."""
+    fits_here = weight_bytes + buffer_bytes + (margin_bytes if choice == "auto" else 0) <= free_bytes
     fits = fits_here if all_ranks_fit is None else all_ranks_fit(fits_here)
     if choice == "auto":
         return "stationary" if fits else "flow"
@@ -58,7 +76,7 @@ def decide_weights(choice: str, plan, stationary_policy, machine, model: Optiona
         if not machine.params_counted:  # a real device: the model is on it
             free += weight_bytes
         choice = choose_weights(choice, weight_bytes, buffer_bytes + activation_bytes, free, machine.total_bytes,
-                                all_ranks_fit)
+                                all_ranks_fit, machine.margin_bytes)
     elif choice == "auto":
         choice = "stationary"  # the device is the host (nothing to free), or its memory is unknown
     check_model_given(choice, model)
@@ -103,9 +121,10 @@ class FlowChoice:
     depth: int
     other_bytes: int  # on the device besides the weights: the engine's buffers and the activations
     activation_bytes: int
-    free_bytes: Optional[int]  # the device memory the choice fits into (None: not known)
+    free_bytes: Optional[int]  # the device memory the choice fits into, the margin taken off (None: not known)
     exposed_s: Optional[float] = None  # predicted exposed transfer seconds per step (None: not timed yet)
     reason: str = ""
+    margin_bytes: int = 0  # the device memory left free besides (device_margin)
 
     @property
     def flowing_names(self) -> tuple[str, ...]:
@@ -125,6 +144,8 @@ class FlowChoice:
         exposed = ("not predicted yet (after step 1, from the measured link and forward)" if self.exposed_s is None
                    else f"{self.exposed_s * 1e3:.2f} ms a step")
         free = "" if self.free_bytes is None else f" of {self.free_bytes / 1e6:.3f} MB free"
+        if self.free_bytes is not None and self.margin_bytes:
+            free += f" after a margin of {self.margin_bytes / 1e6:.3f} MB"
         return (f"flow choice {n} of {len(self.units)} units flow, prefetch depth {self.depth}; device peak "
                 f"{self.peak_flow / 1e6:.3f} MB with flow, {self.peak_stationary / 1e6:.3f} MB stationary{free} "
                 f"(activations {self.activation_bytes / 1e6:.3f} MB counted); exposed transfer {exposed}"
@@ -182,10 +203,15 @@ def spread_order(n: int) -> list[int]:
 
 
 def choose_flow(mode: str, units: Sequence[UnitCost], *, other_bytes: int, activation_bytes: int = 0,
-                free_bytes: Optional[int], depth: int = 1) -> FlowChoice:
-    """`mode` "flow": every unit flows. "auto": the fewest units flowing that fit `free_bytes`,
-    taken in `hiding_order`; every unit when even that does not fit (the run may then run out of
-    device memory: the message names the numbers). `other_bytes` includes `activation_bytes`."""
+                free_bytes: Optional[int], depth: int = 1, margin_bytes: int = 0) -> FlowChoice:
+    """`mode` "flow": every unit flows. "auto": the fewest units flowing that fit `free_bytes` less
+    `margin_bytes` (device_margin), taken in `hiding_order`; every unit when even that does not
+    fit (the run may then run out of device memory: the message names the numbers).
+    `other_bytes` includes `activation_bytes`."""
+    if free_bytes is not None and mode == "auto":
+        free_bytes = max(0, free_bytes - margin_bytes)
+    else:
+        margin_bytes = 0
     flowing = [mode == "flow"] * len(units)
     reason = "weights flow, every unit"
     if mode == "auto":
@@ -196,7 +222,8 @@ def choose_flow(mode: str, units: Sequence[UnitCost], *, other_bytes: int, activ
             flowing[i] = True
         if free_bytes is not None and device_peak(units, flowing, depth, other_bytes) > free_bytes:
             reason += ", does not fit even with every unit flowing"
-    return FlowChoice(tuple(units), tuple(flowing), depth, other_bytes, activation_bytes, free_bytes, None, reason)
+    return FlowChoice(tuple(units), tuple(flowing), depth, other_bytes, activation_bytes, free_bytes, None, reason,
+                      margin_bytes)
 
 
 def exposed_seconds(units: Sequence[UnitCost], flowing: Sequence[bool], depth: int, link_bytes_per_s: float,

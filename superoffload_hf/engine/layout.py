@@ -128,6 +128,7 @@ class MachineFacts:
     free_bytes: Optional[int] = None
     total_bytes: Optional[int] = None
     params_counted: bool = False
+    margin_bytes: int = 0  # device memory `weights: auto` leaves free (engine/flow_choice.py device_margin)
 
     @property
     def inline_host(self) -> bool:
@@ -151,7 +152,10 @@ def machine_facts(runtime, transfer, config, shard_world: Optional[int] = None) 
     if facts.accelerator and (config.cast == "auto" or config.weights != "stationary"):
         changes["h2d_gbps"] = transfer.measure_h2d_gbps()
     if not runtime.host_is_device:
+        from superoffload_hf.engine.flow_choice import device_margin
+
         changes["free_bytes"], changes["total_bytes"] = (int(b) for b in runtime.memory_info())
+        changes["margin_bytes"] = device_margin(changes["total_bytes"], runtime.allocator_slack())
     return dataclasses.replace(facts, **changes)
 
 
@@ -359,7 +363,8 @@ def place_weights(config, model, params, plan: BucketPlan, policy: BufferPolicy,
     if free is not None and not machine.params_counted:  # a real device: the model is on it now
         free += weight_bytes
     choice = choose_flow(mode or config.weights, unit_costs(model, every.units), other_bytes=other,
-                         activation_bytes=config.device_activation_bytes, free_bytes=free)
+                         activation_bytes=config.device_activation_bytes, free_bytes=free,
+                         margin_bytes=machine.margin_bytes)
     return flow_plan_of(every, choice), choice
 
 

@@ -10,8 +10,9 @@ Which is faster depends on the machine, so "auto" measures both once on a 64 MiB
 copy bandwidth) when the plan pins enough for it to matter. The allocator setting is global to
 the process: it is switched on only while the engine allocates its arenas and set back to torch's
 default after, so the user's own pinned tensors (a DataLoader's `pin_memory`) are not affected.
-torch's parser resets the settings a string does not name: each switch repeats the user's own
-(device/accelerator.py allocator_settings), and a pinning method the user set is left alone.
+A pinning key the user set (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF or torch's setter) is never
+changed, and every other setting of theirs is kept through the switch (device/accelerator.py
+`pinning_settings`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Callable, Optional
 MEASURE_BYTES = 64 << 20  # page-locked once per method by "auto"
 MEASURE_POINT_SECONDS = 0.02
 AUTO_MIN_PINNED_BYTES = 1 << 30  # below this, pinning takes well under a second either way: torch's default
+NO_CHOICE = ("{} has no choice of pinning method (or the user's allocator settings choose it, "
+             "e.g. pinned_use_cuda_host_register in PYTORCH_CUDA_ALLOC_CONF: left as they are)")
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,11 @@ def choose_pin_method(runtime, mode: str, threads: int, pinned_bytes: int,
     threads = max(1, int(threads))
     if pinned_bytes == 0:
         return PinMethod(False, threads, "nothing is page-locked")
-    if mode == "alloc":
-        return PinMethod(False, threads, "pin_method: alloc")
     # host_register(False) is torch's default and changes nothing; it says whether there is a choice
     if not runtime.host_register(False, threads):
-        return PinMethod(False, threads, f"{runtime.name} has no choice of pinning method")
+        return PinMethod(False, threads, NO_CHOICE.format(runtime.name))
+    if mode == "alloc":
+        return PinMethod(False, threads, "pin_method: alloc")
     if mode == "register":
         return PinMethod(True, threads, "pin_method: register")
     if pinned_bytes < AUTO_MIN_PINNED_BYTES:
@@ -74,7 +77,7 @@ def choose_pin_method(runtime, mode: str, threads: int, pinned_bytes: int,
         from superoffload_hf.perf.probe import measure_pinning as measure
     measured = measure(runtime, MEASURE_BYTES, threads, MEASURE_POINT_SECONDS)
     if not measured:
-        return PinMethod(False, threads, f"{runtime.name} has no choice of pinning method")
+        return PinMethod(False, threads, NO_CHOICE.format(runtime.name))
     figures = ", ".join(f"{m} {measured[m]['pin_gbps']:.2f} GB/s pinned, h2d {measured[m]['h2d_gbps']:.2f} GB/s"
                         for m in ("cudaHostAlloc", "cudaHostRegister"))
     return PinMethod(measured["faster"] == "cudaHostRegister", threads, f"auto, measured: {figures}", measured)

@@ -39,7 +39,7 @@ from superoffload_hf.integrations.resume import (
 from superoffload_hf.optimizer import SuperOffloadAdamW
 from superoffload_hf.device import make_runtime
 from superoffload_hf.parallel.tiling import prepare_tiling
-from superoffload_hf.train.footprint import with_trainer_activations
+from superoffload_hf.train.footprint import dataset_seq_len, with_trainer_activations
 
 logger = logging.getLogger("superoffload_hf.integrations.trainer")
 
@@ -172,17 +172,21 @@ class SuperOffloadHooks:
                     "max_grad_norm %s, device dtype %s", type(optimizer).__name__,
                     [(g["weight_decay"], len(g["params"])) for g in groups], max_grad_norm(args),
                     config.device_dtype)
-        self.apply_activation_offload(model, config.activation_offload, bool(checkpointing))
+        self.apply_activation_offload(model, config.activation_offload, bool(checkpointing),
+                                      block_input_bytes(model, args.per_device_train_batch_size, trainer.train_dataset))
         return wrap_optimizer(trainer.accelerator, optimizer, config.device_dtype)
 
-    def apply_activation_offload(self, model, choice: str, gradient_checkpointing: bool) -> None:
+    def apply_activation_offload(self, model, choice: str, gradient_checkpointing: bool,
+                                 input_bytes: Optional[int] = None) -> None:
         """Config `activation_offload`: hooks on the model the optimizer trains (parallel/activation_offload.py),
-        replacing those of an earlier optimizer."""
+        replacing those of an earlier optimizer; their pinned pool sized for block inputs of
+        `input_bytes` before training (None: unknown, sized by the first forward)."""
         from superoffload_hf.parallel.activation_offload import offload_for_config
 
         if self.activation_offload is not None:
             self.activation_offload.remove()
-        self.activation_offload, line = offload_for_config(model, choice, gradient_checkpointing)
+        self.activation_offload, line = offload_for_config(model, choice, gradient_checkpointing,
+                                                           block_input_bytes=input_bytes)
         logger.info("superoffload: %s", line)
 
     def save_model(self, original, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
@@ -265,3 +269,14 @@ def _warn_if_optim_replaced(args: HFTrainingArguments) -> None:
     optim = _optim_name(args.optim)
     if optim not in _REPLACEABLE_OPTIMS:
         logger.warning("superoffload: `optim` %r is replaced by SuperOffloadAdamW.", optim)
+
+
+def block_input_bytes(model, micro_batch: int, dataset) -> Optional[int]:
+    """One decoder block's input (micro-batch x the train dataset's longest sequence among its
+    first samples x hidden, in the model's dtype): what activation offload's pinned pool is sized
+    for before training. None: unknown (an iterable dataset, a config without hidden_size)."""
+    seq = dataset_seq_len(dataset)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if seq is None or not hidden:
+        return None
+    return int(micro_batch) * int(seq) * int(hidden) * next(model.parameters()).element_size()

@@ -53,6 +53,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from superoffload_hf.device.runtime import pinned_block_bytes
+
 SYNCS = (
     "offload_waits_compute",     # the d2h copy reads the input after the kernels that wrote it
     "release_waits_offload",     # the input's device copy is freed after its d2h copy ran
@@ -69,6 +71,18 @@ DEFAULT_DEPTH = 1  # block inputs prefetched ahead of the recomputation that rea
 # recomputation, the head and the loss, which grow with the sequence too)
 AUTO_SHARE = 0.25
 MODES = ("on", "auto")
+
+
+def _host_memory_left(runtime):
+    from superoffload_hf.engine.host_limit import host_memory_left
+
+    return host_memory_left(runtime)
+
+
+def offloaded_host_bytes(blocks: int, block_input_bytes: int, rounds: bool) -> int:
+    """Pinned host bytes of one forward's offloaded inputs: every checkpointed block's but the
+    last, each in a block the host allocator rounds up to a power of two where it `rounds`."""
+    return max(0, blocks - 1) * pinned_block_bytes(block_input_bytes, rounds)
 
 
 def in_backward() -> bool:
@@ -106,39 +120,56 @@ def decide_auto(input_bytes: int, free_bytes: int, host_is_device: bool) -> Deci
 
 class PinnedPool:
     """Page-locked host buffers (raw bytes), reused across steps: an input takes the smallest free
-    buffer it fits in. `nbytes`: every buffer allocated, free or held (the host memory it takes).
+    buffer it fits in. Each buffer is the whole block the host allocator takes (a power of two on
+    CUDA), so `nbytes` (every buffer allocated, free or held) is the host memory the pool takes.
+    A miss finds only smaller free buffers (a longer sequence): they go, so the pool holds one
+    forward's inputs at the longest sequence so far. `limit_bytes` (ActivationOffload.reserve):
+    an allocation past it is refused."""
 
-    Where the runtime's pinned allocator rounds a request up to a power of two (CUDA's caching
-    host allocator; the simulated device models it), a buffer is allocated at the rounded size
-    and counted at it: that is what the host holds (up to twice the request), and a later,
-    slightly larger input still fits it. Bounded: a request no free buffer fits first frees the
-    free buffers smaller than it (a longer sequence's inputs would never reuse them), so the pool
-    holds at most the buffers of one step's inputs at the largest size seen."""
-
-    def __init__(self, runtime):
+    def __init__(self, runtime, limit_bytes: Optional[int] = None):
         self.runtime = runtime
+        self.limit_bytes = limit_bytes
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()  # give_back runs where a saved input is collected
         self.nbytes = 0
         self.allocations = 0
+        self._per_forward = 1  # buffers one forward takes (reserve)
 
     def block_bytes(self, nbytes: int) -> int:
-        """What a request of `nbytes` takes in pinned host memory."""
-        if getattr(self.runtime, "pinned_rounds_to_power_of_two", False):
-            return 1 << max(0, (nbytes - 1).bit_length())
-        return nbytes
+        return pinned_block_bytes(nbytes, self.runtime.pinned_rounds_to_power_of_two)
 
     def take(self, nbytes: int) -> torch.Tensor:
+        block = self.block_bytes(nbytes)
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-            self.nbytes -= sum(b.numel() for b in self._free)  # all smaller than nbytes: never reused
-            self._free = []
-        self.allocations += 1
-        size = self.block_bytes(nbytes)
-        self.nbytes += size
-        return self.runtime.host_empty(size, torch.uint8, pinned=True)
+            smaller = sum(b.numel() for b in self._free)
+            need = max(self.nbytes - smaller + block, block * self._per_forward)
+            if self.limit_bytes is not None and need > self.limit_bytes:  # refused with the pool intact
+                raise MemoryError(
+                    f"activation offload: a block input of {nbytes} bytes needs a page-locked buffer of {block} "
+                    f"bytes; with the {self._per_forward} of one forward the pool would hold {need} bytes, over the "
+                    f"{self.limit_bytes} bytes reserved before training (ActivationOffload.reserve, sized for the "
+                    "longest input expected). Reserve for the longest sequence and micro-batch the run feeds, "
+                    "shorten them, or set `activation_offload: off`.")
+            dropped, self._free = self._free, []
+            self.nbytes -= smaller
+            self.allocations += 1
+            self.nbytes += block
+        if dropped:
+            del dropped
+            # torch's host allocator caches freed page-locked blocks for ever: return them
+            self.runtime.host_empty_cache()
+        return self.runtime.host_empty(block, torch.uint8, pinned=True)
+
+    def reserve(self, sizes: Sequence[int]) -> None:
+        """Allocate a buffer for each of `sizes` bytes now (before training) and bound the pool
+        at what it then holds."""
+        buffers = [self.take(n) for n in sizes]
+        with self._lock:
+            self._free.extend(buffers)
+            self.limit_bytes, self._per_forward = self.nbytes, max(1, len(buffers))
 
     def give_back(self, raw: torch.Tensor) -> None:
         with self._lock:
@@ -208,6 +239,7 @@ class ActivationOffload:
         self.decision: Optional[Decision] = Decision(True, "on") if mode == "on" else None
         self.d2h, self.h2d = runtime.new_stream(), runtime.new_stream()
         self.pool = PinnedPool(runtime)
+        self._reserved: Optional[int] = None  # reserve()'s block input bytes, for "auto" deciding on
         self.bytes_offloaded = self.bytes_fetched = 0
         self._scope = None  # the saved-tensors hooks, pushed for one forward
         self._peers: list = []  # this forward's block inputs (weak references), in block order
@@ -269,6 +301,8 @@ class ActivationOffload:
         if self.decision is None:
             self.decision = self._decide(inputs)
             logger.info("superoffload: %s", self.decision.describe())  # what "auto" decided, once
+            if self.decision.on and self._reserved is not None:
+                self.reserve(self._reserved)
         if not self.decision.on:
             return
         keep = not any(getattr(b, "gradient_checkpointing", False) for b in self.blocks[index + 1:])
@@ -386,6 +420,30 @@ class ActivationOffload:
 
     # ---- the edge ---------------------------------------------------------------------------------
 
+    def reserve(self, block_input_bytes: int) -> int:
+        """Size the pinned pool before training: a buffer for each checkpointed block's input but
+        the last (it stays on the device) of `block_input_bytes` (micro-batch x sequence x hidden x
+        element size, at the longest input the run feeds), the pool then bounded at what it holds
+        (a longer input is refused with the figures). "auto" reserves when it decides on. Returns
+        the host bytes (the allocator's rounded blocks)."""
+        if not isinstance(block_input_bytes, int) or isinstance(block_input_bytes, bool) or block_input_bytes < 1:
+            raise ValueError(f"`block_input_bytes` is {block_input_bytes!r}; expected an integer >= 1 (one block "
+                             "input's bytes at the longest micro-batch).")
+        count = max(0, sum(1 for b in self.blocks if getattr(b, "gradient_checkpointing", False)) - 1)
+        need = count * self.pool.block_bytes(block_input_bytes)
+        self._reserved = block_input_bytes
+        if self.decision is None or not self.decision.on:
+            return need
+        left = _host_memory_left(self.runtime)
+        if left is not None and need - self.pool.nbytes > left[0]:
+            raise MemoryError(
+                f"activation offload: {count} block inputs of {block_input_bytes} bytes take {need} bytes of "
+                f"page-locked host memory ({self.pool.block_bytes(block_input_bytes)} a block, the host allocator "
+                f"rounding each up to a power of two); {left[1]} leaves {left[0]}. Shorten the sequence or the "
+                "micro-batch, or set `activation_offload: off`.")
+        self.pool.reserve([block_input_bytes] * count)
+        return need
+
     @property
     def pinned_bytes(self) -> int:
         """Host bytes of the pinned pool (the block inputs of one forward, once it has run)."""
@@ -422,9 +480,11 @@ def apply_activation_offload(model: torch.nn.Module, runtime=None, mode: str = "
 
 
 def offload_for_config(model: torch.nn.Module, choice: str, gradient_checkpointing: bool,
-                       runtime=None) -> tuple[Optional[ActivationOffload], str]:
+                       runtime=None, block_input_bytes: Optional[int] = None) -> tuple[Optional[ActivationOffload], str]:
     """The config's `activation_offload` (`choice`) for a run: the hooks on `model` (None: not
-    applied) and the line that says what was decided and why."""
+    applied) and the line that says what was decided and why. `block_input_bytes` (one block
+    input at the longest micro-batch; None: unknown): the pinned pool is sized and bounded before
+    training (ActivationOffload.reserve)."""
     if choice == "off":
         return None, "activation offload off"
     if runtime is None:
@@ -441,7 +501,27 @@ def offload_for_config(model: torch.nn.Module, choice: str, gradient_checkpointi
                 "or the recipe's `training` block), or `activation_offload: auto` / `off`.")
         return None, "activation offload auto: off, gradient checkpointing is off"
     hooks = ActivationOffload(model, runtime, mode=choice)
-    return hooks, hooks.describe()
+    if block_input_bytes is None:
+        return hooks, hooks.describe() + "; pinned pool sized at the first training forward (input size unknown)"
+    need = hooks.reserve(block_input_bytes)
+    return hooks, hooks.describe() + (f"; pinned pool of {need / 1e6:.3f} MB for block inputs of "
+                                      f"{block_input_bytes / 1e6:.3f} MB, sized before training, bounded there")
+
+
+def dry_run_pinned_bytes(recipe, model_config, choice: str, element_bytes: int, device_is_host: bool,
+                         free_device_bytes: Optional[int] = None) -> int:
+    """The pinned host bytes the offload takes in the run of `recipe` (0 where it is off):
+    what the dry run's host check adds. "auto" decides against `free_device_bytes` (None:
+    counted as on)."""
+    t = recipe.training
+    if choice == "off" or device_is_host or not (t.get("activation_checkpointing") or t.get("gradient_checkpointing")):
+        return 0
+    tokens = int(t.get("per_device_train_batch_size", 8)) * int(recipe.data.seq_len)
+    per_block, layers = tokens * int(model_config.hidden_size) * element_bytes, int(model_config.num_hidden_layers)
+    if choice == "auto" and free_device_bytes is not None and not decide_auto(layers * per_block, free_device_bytes,
+                                                                               False).on:
+        return 0
+    return offloaded_host_bytes(layers, per_block, rounds=True)
 
 
 def dry_run_line(recipe, model_config, choice: str, element_bytes: int, device_is_host: bool) -> str:
@@ -451,12 +531,11 @@ def dry_run_line(recipe, model_config, choice: str, element_bytes: int, device_i
     layers, hidden = int(model_config.num_hidden_layers), int(model_config.hidden_size)
     tokens = int(t.get("per_device_train_batch_size", 8)) * int(recipe.data.seq_len)  # (the Trainer's default 8)
     per_block = tokens * hidden * element_bytes
-    # an accelerator's pinned allocator rounds each block up to a power of two (PinnedPool)
-    pinned_block = per_block if device_is_host else 1 << max(0, (per_block - 1).bit_length())
-    rounded = f", each block rounded up to {pinned_block / 1e9:.3f} GB" if pinned_block != per_block else ""
+    pinned = offloaded_host_bytes(layers, per_block, rounds=not device_is_host)
     head = (f"  activation offload {choice}; checkpointed block inputs {layers * per_block / 1e9:.3f} GB on the "
             f"device ({layers} x {per_block / 1e9:.3f} GB at {tokens} tokens a micro-batch), offloaded "
-            f"{(layers - 1) * pinned_block / 1e9:.3f} GB pinned host{rounded}")
+            f"{(layers - 1) * per_block / 1e9:.3f} GB, {pinned / 1e9:.3f} GB pinned host (each block rounded up "
+            "to a power of two by the host allocator)")
     if choice == "off":
         return head + " - off"
     if device_is_host:

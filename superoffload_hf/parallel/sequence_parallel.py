@@ -28,12 +28,13 @@ import torch
 
 from superoffload_hf.parallel import ulysses
 from superoffload_hf.parallel.loss import sequence_parallel_loss
-from superoffload_hf.parallel.sequence_shard import IGNORE_INDEX, shard_sequence
+from superoffload_hf.parallel.sequence_shard import IGNORE_INDEX, BatchChecks, shard_sequence
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], group, pad_token_id: int = 0,
                 ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
-    """This rank's part of `batch` (sequence_shard.py: input_ids, position_ids, shift_labels)."""
+    """This rank's part of `batch` (sequence_shard.py: input_ids, position_ids, shift_labels),
+    checked at once (a device batch: one synchronisation; SequenceParallel.shard_batch avoids it)."""
     import torch.distributed as dist
 
     return shard_sequence(batch, dist.get_rank(group), dist.get_world_size(group), pad_token_id, ignore_index)
@@ -59,9 +60,12 @@ class SequenceParallel:
             self.inner = self.inner[len(ulysses.PREFIX):]
         config._attn_implementation = ulysses.register(group, self.inner)
         self.pad_token_id = pad_token_id if pad_token_id is not None else (getattr(config, "pad_token_id", None) or 0)
+        self.checks = BatchChecks()  # a batch's checks read without synchronising the device
 
     def shard_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return shard_sequence(batch, self.rank, self.size, self.pad_token_id, self.ignore_index)
+        """This rank's part of `batch`; its position and padding checks are read a call late
+        (sequence_shard.BatchChecks: the first batch's at once)."""
+        return shard_sequence(batch, self.rank, self.size, self.pad_token_id, self.ignore_index, self.checks)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor,
                  **kwargs) -> torch.Tensor:

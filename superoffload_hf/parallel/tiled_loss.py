@@ -7,9 +7,10 @@ as transformers' ForCausalLMLoss upcasts them) and its summed cross-entropy with
 whose backward recomputes each chunk's logits and takes that chunk's gradients with autograd
 (the same operators as the untiled loss, so each row of the hidden-state gradient is the untiled
 one to rounding; the head's gradient is summed over chunks in fp32 and cast once). Saved for
-backward: the head's input, the head's weight (no copy) and the labels. Chunks with no label to
-predict are computed too (their loss and gradient rows are exactly zero, as untiled): nothing is
-read back to the host, so neither pass synchronises the device.
+backward: the head's input, the head's weight (no copy) and the labels. Every chunk is computed,
+those with no label to predict included (they add exactly zero to the loss and their gradient
+rows are exactly zero, as untiled): skipping them would need the labels on the host, a device
+synchronisation in forward and backward every step.
 
 `apply_tiled_loss(model)` wraps one transformers causal LM's forward (the instance's, not its
 class; and its head's, so that the loss is computed inside a call of the head module, whose hooks,
@@ -126,9 +127,7 @@ class _TiledHeadLoss(torch.autograd.Function):
 
 
 def _chunks(n: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """(start, end) of every chunk of `n` tokens. A chunk whose labels are all ignored is computed
-    too (its loss and gradients are zeros): skipping it would need a host read of the labels, a
-    device synchronisation on an accelerator in every forward and backward."""
+    """(start, end) of each chunk of `n` tokens (no read of the labels: no device synchronisation)."""
     return [(start, min(n, start + chunk_tokens)) for start in range(0, n, chunk_tokens)]
 
 

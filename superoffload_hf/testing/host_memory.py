@@ -22,16 +22,13 @@ import threading
 from collections import Counter
 from typing import Optional
 
+from superoffload_hf.device.runtime import pinned_block_bytes  # noqa: F401 (the block of a request)
+
 HOST_BUDGET_ENV_VAR = "SUPEROFFLOAD_SIM_HOST_BUDGET"  # bytes, for the shared simulated device
 
 
 class SimHostMemoryError(MemoryError):
     """A host allocation of the simulated device over its host budget."""
-
-
-def pinned_block_bytes(nbytes: int) -> int:
-    """The block CUDA's host caching allocator takes for a request of `nbytes`."""
-    return 1 << max(0, (nbytes - 1).bit_length())
 
 
 def bytes_from_env(var: str, unset_means: str, environ=os.environ) -> Optional[int]:

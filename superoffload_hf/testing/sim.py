@@ -42,7 +42,9 @@ missing synchronisation fails every time (DESIGN.md section 7):
 * Side streams come from a small pool, round robin (CUDA's pool has 32 per priority): two
   `new_stream()` calls may return the same stream.
 * Host-blocking waits (event or stream synchronize, synchronize_all, a synchronous copy) are
-  counted per thread: `blocking_waits()`.
+  counted per thread: `blocking_waits()`; reads of device data on the host (`.item()`,
+  `.tolist()`, `bool()`, `.nonzero()`, ...: each a device synchronisation on a GPU) are counted
+  inside `count_host_reads()`.
 
 Every violation is appended to `runtime.errors` and raised as SimRaceError in the calling thread.
 """
@@ -339,6 +341,43 @@ def _tensor_bytes(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v) for v in value)
     return 0
+
+
+# the Tensor methods and torch functions whose result on the host needs a device tensor's values
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "cpu",
+              "masked_select", "unique", "equal", "allclose")
+
+
+@contextlib.contextmanager
+def _patched_host_reads(sim: "SimRuntime") -> Iterator[Counter]:
+    """SimRuntime.count_host_reads. The Tensor methods and torch functions are replaced for the
+    duration (every thread's calls count, a custom Function's backward included, which no
+    torch-function mode sees), and put back after."""
+    reads: Counter = Counter()
+    originals = []
+
+    def counting(name, original):
+        @functools.wraps(original)
+        def read(*args, **kwargs):
+            if any(isinstance(a, torch.Tensor) and not sim._is_pinned_host(a) for a in args[:2]):
+                reads[name] += 1
+            return original(*args, **kwargs)
+        return read
+
+    for owner in (torch.Tensor, torch):
+        for name in HOST_READS:
+            original = getattr(owner, name, None)
+            if callable(original):
+                originals.append((owner, name, original, name in vars(owner)))
+                setattr(owner, name, counting(name, original))
+    try:
+        yield reads
+    finally:
+        for owner, name, original, own in reversed(originals):
+            if own:
+                setattr(owner, name, original)
+            else:  # inherited (torch.Tensor from its C base): inherited again
+                delattr(owner, name)
 
 
 class _BackwardClock(TorchDispatchMode):
@@ -660,6 +699,19 @@ class SimRuntime:
         self._blocking_waits[threading.get_ident()] += 1
 
     @contextlib.contextmanager
+    def count_host_reads(self) -> Iterator[Counter]:
+        """Count, by operation, the reads of a device tensor's values on the host, in any thread
+        (`.item()`, `.tolist()`, `bool()`, `int()`, `.nonzero()`, ...: HOST_READS): on a GPU
+        each synchronises the host with the device. Every tensor counts as device memory except
+        the runtime's page-locked host buffers (host_empty pinned)."""
+        with _patched_host_reads(self) as reads:
+            yield reads
+
+    def _is_pinned_host(self, t: torch.Tensor) -> bool:
+        with self._lock:
+            return _storage_key(t) in self._pinned
+
+    @contextlib.contextmanager
     def on_stream(self, stream: SimStream) -> Iterator[None]:
         if stream._sim is not self:
             raise ValueError(f"{stream!r} belongs to another simulated device")
@@ -737,6 +789,10 @@ class SimRuntime:
             self._count_params()
             total = self.device_memory.total
             return max(0, total - self.device_memory.allocated), total
+
+    def allocator_slack(self) -> int:
+        """0: the simulated device has no caching allocator (every byte allocated is counted)."""
+        return 0
 
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
         """`tensor.untyped_storage().resize_(nbytes)` on the device (weight-flow's fetch and

@@ -29,6 +29,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     from superoffload_hf.engine.layout import DTYPES
     from superoffload_hf.engine.memory import footprint, format_footprint
     from superoffload_hf.parallel.activation_offload import dry_run_line as activation_offload_line
+    from superoffload_hf.parallel.activation_offload import dry_run_pinned_bytes as activation_pinned_bytes
 
     model_config, shipped = _model_config(recipe)
     if model_config is None:
@@ -78,7 +79,10 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
         lines.append(flow_choice_lines(model, params, groups, config, tokens,
                                        int(t.get("gradient_accumulation_steps", 1))))
     lines.extend(activation_lines(model_config, recipe, config, accelerator, n))
-    lines.append(host_check_line(rows, not accelerator, config.host_memory_budget))
+    element_bytes = DTYPES[config.device_dtype].itemsize
+    lines.append(host_check_line(rows, not accelerator, activation_pinned_bytes(
+        recipe, model_config, config.activation_offload, element_bytes, not accelerator,
+        max(H200_BYTES - n * element_bytes, 0)), config.host_memory_budget))
     if shard_world is not None:
         lines.append(per_host_lines(rows, num_processes // num_machines, num_machines, not accelerator))
     return "\n".join(lines)
@@ -153,12 +157,13 @@ def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_s
     H200): the layout value the engine would run with there, which units flow, the device peak
     with and without flow and the predicted exposed transfer time at `tokens` a micro-batch
     (engine/layout.py decide_layout, engine/flow_choice.py: the engine's own decision)."""
-    from superoffload_hf.engine.flow_choice import choose_depth
+    from superoffload_hf.engine.flow_choice import choose_depth, device_margin
     from superoffload_hf.engine.layout import decide_layout, dry_run_machine
 
     device = device or H200
     machine = dry_run_machine(True, config.pin_memory, free_bytes=device["device_bytes"],
-                              total_bytes=device["device_bytes"], params_counted=True, h2d_gbps=device["link_gbps"])
+                              total_bytes=device["device_bytes"], params_counted=True, h2d_gbps=device["link_gbps"],
+                              margin_bytes=device_margin(device["device_bytes"]))
     what = (f"{device['name']} ({device['device_bytes'] / 1e9:.0f} GB, {device['link_gbps']:g} GB/s host-to-device, "
             f"{device['utilisation']:.0%} of {device['flops'] / 1e12:.0f} TFLOP/s assumed; {tokens} tokens a micro-batch)")
     mode = "auto" if config.weights == "stationary" else config.weights
@@ -172,7 +177,7 @@ def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_s
     choice = layout.flow_choice or forced.flow_choice
     per_element = 2 * tokens / (device["flops"] * device["utilisation"])  # forward seconds per multiply element
     timed = choose_depth(choice, device["link_gbps"] * 1e9, per_element,
-                         headroom_bytes=max(0, device["device_bytes"] - choice.peak_flow))
+                         headroom_bytes=max(0, device["device_bytes"] - choice.margin_bytes - choice.peak_flow))
     compute = 3 * per_element * sum(u.compute for u in choice.units)  # forward + backward
     flows = sum(choice.flowing) if layout.flow_choice is not None else 0
     head = (f"  on {what} weights {mode} flows {flows} of {len(choice.units)} units"
@@ -324,16 +329,19 @@ def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, nu
             f"{choice.describe().replace(': ', ' - ')}"]
 
 
-def host_check_line(rows, device_is_host: bool, budget_bytes: Optional[int] = None) -> str:
+def host_check_line(rows, device_is_host: bool, activation_pinned: int = 0,
+                    budget_bytes: Optional[int] = None) -> str:
     """What the engine's check before allocating compares (engine/host_limit.py), against this
-    machine's memory now: the host buffers plus the re-plan's transient."""
+    machine's memory now: the host buffers plus the re-plan's transient, plus activation
+    offload's pinned pool (`activation_pinned`, reserved before training)."""
     from superoffload_hf.engine.host_limit import host_bytes, host_memory_left, replan_transient
 
     transient = replan_transient(rows)
-    need = host_bytes(rows, device_is_host) + transient
+    need = host_bytes(rows, device_is_host) + transient + activation_pinned
     # (indented, no ": ": the dry run's output reads as YAML)
     line = (f"  host memory checked before allocating {need / 1e9:.3f} GB with the re-plan after step 1 "
-            f"({transient / 1e9:.3f} GB of it the re-plan's transient)")
+            f"({transient / 1e9:.3f} GB of it the re-plan's transient")
+    line += f", {activation_pinned / 1e9:.3f} GB activation offload's pinned pool)" if activation_pinned else ")"
     line += f"; {fits_hosts(need)}"
     left = host_memory_left(None, budget_bytes)
     if left is None:
