@@ -19,12 +19,22 @@ import torch.multiprocessing as mp
 DEFAULT_DEADLINE_S = 90.0
 
 
+# What the fork server imports once, for every rank of every multi-rank file of the run: without it
+# each rank imported torch (~1.5 s on 2 cores), superoffload_hf (~0.5 s) and, for the
+# sequence-parallel ranks' Llama, transformers (~5 s). Modules only: none reads the environment
+# at import, starts a thread or loads the C++ kernel (each rank loads it: its thread pool is the
+# rank's own). (Python 3.11's fork server does not take the caller's sys.path: the tests' own
+# modules, tests/_*.py, are not importable there; each rank imports them.)
+PRELOAD = ["torch", "torch.distributed", "superoffload_hf.optimizer", "superoffload_hf.engine.dp",
+           "superoffload_hf.engine.shard_checkpoint", "superoffload_hf.parallel",
+           "superoffload_hf.device.collectives", "transformers.models.llama.modeling_llama"]
+
+
 def _rank_context():
-    """Ranks are forked from a fork server that imported torch once: a spawned rank imported it
-    again, ~1.5 s of every call on 2 cores. Nothing else is preloaded, so each rank imports
-    superoffload_hf afresh, as a spawned one did."""
+    """Ranks are forked from one fork server per test run, started by the first call with PRELOAD
+    imported."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

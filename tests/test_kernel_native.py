@@ -19,7 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from superoffload_hf.host import kernel
+
 # Builds two programs and runs four (three under qemu): ~45 s of CPU, ~30 s on an idle 2-core box.
+# The builds are cached with the kernel's (SELFTEST_CACHE_DIR, keyed by compiler, flags and
+# sources): a later run with the same sources only runs them.
 pytestmark = pytest.mark.slow
 
 GRACE_ADAM_DIR = Path(__file__).resolve().parents[1] / "csrc" / "grace_adam"
@@ -51,6 +55,7 @@ def selftest_runs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
         pytest.skip("bash is not installed; run_selftest.sh needs it")
     build = tmp_path_factory.mktemp("grace_adam_selftest")
     env = dict(os.environ)
+    env.setdefault("SELFTEST_CACHE_DIR", str(kernel.cache_root() / "selftest"))
     if shutil.which(_native_compiler()) is None:
         env["SELFTEST_SKIP_NATIVE"] = "1"
     proc = subprocess.run(["bash", str(SCRIPT), str(build)], capture_output=True, text=True, env=env, timeout=540)

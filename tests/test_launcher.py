@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,10 +66,10 @@ def test_plan_strips_the_block_and_forwards_every_other_argument(tmp_path, confi
     assert plan.superoffload == {"speculation": "off", "host_threads": 4}
     assert plan.accelerate_args == ["--num_processes", "1", "--mixed_precision", "no"]
     assert plan.script_args == ["train.py", "--config_file", "script_own.yaml", "--learning_rate", "1e-3"]
-    command = launcher.accelerate_command(plan, str(tmp_path))
-    stripped = command[command.index("--config_file") + 1]
-    assert command[:3] == [sys.executable, "-m", "superoffload_hf.integrations.launch_child"]
-    assert command[5:] == plan.accelerate_args + plan.script_args
+    arguments = launcher.accelerate_arguments(plan, str(tmp_path))
+    assert arguments[0] == "--config_file"
+    stripped = arguments[1]
+    assert arguments[2:] == plan.accelerate_args + plan.script_args
     expected = yaml.safe_load(path.read_text())
     del expected["superoffload"]
     assert yaml.safe_load(Path(stripped).read_text()) == expected
@@ -248,12 +249,17 @@ def test_launch_with_two_processes_on_a_machine_without_gpus_trains_two_data_par
     for name, value in child_env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
+    environ, handlers = dict(os.environ), [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     code = launcher.main([
         "--config_file", str(CPU_CONFIG), "--num_processes", "2", str(STOCK_SCRIPT), "--output_dir", str(output),
         "--max_steps", "2", "--save_steps", "2", "--per_device_train_batch_size", "2", "--report_to", "none",
         "--use_cpu", "--disable_tqdm", "true"])
     streams = capfd.readouterr()
     assert code == 0, streams.out[-3000:] + streams.err[-3000:]
+    # accelerate ran in this process: its environment and signal handlers (torch's elastic agent
+    # replaces SIGINT's and SIGTERM's) are the caller's again
+    assert dict(os.environ) == environ
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
     assert [Path(f).name for f in shard_files(str(output / "checkpoint-2"))] == [
         "optimizer.shard-00000-of-00002.pt", "optimizer.shard-00001-of-00002.pt"]
     assert "data parallel rank 1/2" in streams.err

@@ -581,7 +581,8 @@ def test_missing_trainer_hook_points_fail_with_a_clear_message():
 
 
 def test_importing_the_core_does_not_import_transformers_or_accelerate():
-    probe = "import sys, superoffload_hf; print([m for m in ('transformers', 'accelerate') if m in sys.modules])"
+    # nor torch: `superoffload --help` and a bad recipe answer without it (~1.5-5 s on 2 cores)
+    probe = "import sys, superoffload_hf; print([m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules])"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -591,6 +592,11 @@ def test_importing_the_core_does_not_import_transformers_or_accelerate():
 
     assert (trainer_cls, args_cls, callback_cls) == (Trainer, TrainingArguments, SuperOffloadCallback)
     assert plugin_cls.__module__ == "superoffload_hf.integrations.accelerate"
+    from superoffload_hf import SuperOffloadAdamW as adamw_cls, patch_trainer as patch_fn
+    from superoffload_hf.integrations.patch import patch_trainer
+    from superoffload_hf.optimizer import SuperOffloadAdamW
+
+    assert (adamw_cls, patch_fn) == (SuperOffloadAdamW, patch_trainer)
 
 
 # ---- a dropped Trainer frees its optimizer ---------------------------------------------------

@@ -13,17 +13,18 @@ its config, so the launcher:
    over the ranks and averages the gradients itself (Accelerate does not wrap the model in DDP);
    on a machine without an accelerator (`device.accelerator_count()`), N > 1 processes are started
    with `--multi_gpu` (accelerate would otherwise run one), and they train on the CPU over gloo;
-3. writes the stripped config to a temporary file and runs
-   `python -m superoffload_hf.integrations.launch_child --config_file <stripped> <the other arguments>`
-   (accelerate launch that waits out a Ctrl-C, see launch_child.py) with
-   `SUPEROFFLOAD_CONFIG_JSON` (the block) set and `launch_site/` first on PYTHONPATH, so that
-   the script's stock `transformers.Trainer` trains with superoffload (see autopatch.py);
-4. returns accelerate's exit code (130 after Ctrl-C, without a traceback; 1 after a checkpoint
+3. writes the stripped config to a temporary file and runs `accelerate launch --config_file
+   <stripped> <the other arguments>` in this process (a process of its own imported torch and
+   accelerate again: ~2 s of every launch), the processes it starts with `SUPEROFFLOAD_CONFIG_JSON`
+   (the block) set and `launch_site/` first on PYTHONPATH, so that the script's stock
+   `transformers.Trainer` trains with superoffload (see autopatch.py);
+4. returns the script's exit status (130 after Ctrl-C, without a traceback; 1 after a checkpoint
    that cannot be resumed, whose one-line message ends the output: see autopatch.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -31,12 +32,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from superoffload_hf.integrations.autopatch import CONFIG_ENV_VAR
-from superoffload_hf.integrations.launch_child import exit_status
 from superoffload_hf.integrations.launch_env import LAUNCH_COMMAND_ENV_VAR
 from superoffload_hf.integrations.openmp_wait import set_openmp_waiting
 
@@ -76,27 +77,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"superoffload launch: error: {error}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="superoffload_launch_") as tmp:
-        command = accelerate_command(plan, tmp)
+        arguments = accelerate_arguments(plan, tmp)
         env = launch_environment(os.environ, plan.superoffload, on_cpu=plan.on_cpu)
         env[LAUNCH_COMMAND_ENV_VAR] = shlex.join(["superoffload", "launch", *argv])
-        return run_to_the_end(command, env)
+        return run_to_the_end(arguments, env)
 
 
-def run_to_the_end(command: list[str], env: dict[str, str]) -> int:
-    """Run `command` and return its exit status. Ctrl-C reaches the launched processes too (the
-    terminal interrupts its whole foreground group): wait for them to stop cleanly and return 130
-    without a traceback; a second Ctrl-C stops waiting and terminates them."""
-    process = subprocess.Popen(command, env=env)
-    interrupted = False
-    while True:
+def run_to_the_end(arguments: list[str], env: dict[str, str]) -> int:
+    """`accelerate launch arguments` in this process, the processes it starts with `env`; the
+    training script's exit status. Ctrl-C reaches the launched processes too (the terminal
+    interrupts its whole foreground group): wait for them to stop cleanly and return 130 without a
+    traceback; a second Ctrl-C stops waiting and terminates them. (With several processes, torch's
+    elastic agent takes over SIGINT: it stops them on the first.)"""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    parsed = launch_command_parser().parse_args(arguments)
+    interrupted: list[bool] = []
+    with _environment(env), _waiting_out_ctrl_c(interrupted):
         try:
-            returncode = process.wait()
-            break
-        except KeyboardInterrupt:
-            if interrupted:
-                process.terminate()
-            interrupted = True
-    status = exit_status(returncode)
+            launch_command(parsed)
+            status = 0
+        except subprocess.CalledProcessError as error:  # the script failed: its own output said why
+            status = exit_status(error.returncode)
+        except SystemExit as error:  # accelerate's exit after Ctrl-C or SIGTERM (128 + N)
+            status = error.code if isinstance(error.code, int) else int(error.code is not None)
+        except ChildFailedError as error:  # a rank failed: its traceback is above; this is the summary
+            print(error, file=sys.stderr, flush=True)
+            status = 1
     if interrupted or status == 128 + signal.SIGINT:
         print("superoffload launch: interrupted (Ctrl-C); the training script's last lines above say where it "
               "stopped and what to resume from", file=sys.stderr, flush=True)
@@ -148,13 +156,15 @@ def cpu_processes_flag(parsed: Any, config: Optional[dict[str, Any]]) -> list[st
     return ["--multi_gpu"]
 
 
-def accelerate_command(plan: LaunchPlan, tmp_dir: str) -> list[str]:
-    command = [sys.executable, "-m", "superoffload_hf.integrations.launch_child"]  # accelerate launch, quiet on Ctrl-C
+def accelerate_arguments(plan: LaunchPlan, tmp_dir: str) -> list[str]:
+    """The arguments of `accelerate launch`: the stripped config (written to `tmp_dir`), the
+    launcher's other arguments, the script and its arguments."""
+    arguments = []
     if plan.accelerate_config is not None:
         stripped = Path(tmp_dir) / f"accelerate_config{plan.config_suffix}"
         _write_config(plan.accelerate_config, stripped)
-        command += ["--config_file", str(stripped)]
-    return command + plan.accelerate_args + plan.script_args
+        arguments += ["--config_file", str(stripped)]
+    return arguments + plan.accelerate_args + plan.script_args
 
 
 def launch_environment(environ: dict[str, str], block: dict[str, Any], on_cpu: bool = False) -> dict[str, str]:
@@ -168,6 +178,53 @@ def launch_environment(environ: dict[str, str], block: dict[str, Any], on_cpu: b
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
+# the handlers accelerate's launchers and torch's elastic agent replace (the agent does not restore them)
+_LAUNCH_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                        if hasattr(signal, name))
+
+
+def exit_status(returncode: int) -> int:
+    """A subprocess return code as a shell reports it (a negative code: killed by that signal)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ is `env` inside (accelerate hands os.environ to the processes it starts)."""
+    before = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+@contextlib.contextmanager
+def _waiting_out_ctrl_c(interrupted: list) -> Iterator[None]:
+    """The first Ctrl-C is noted in `interrupted` and waited out (the script hears it too and stops
+    by itself, printing where); a second raises KeyboardInterrupt, on which accelerate terminates
+    the script. A Python handler, not SIG_IGN: an ignored SIGINT would be inherited by the script,
+    which then could not be interrupted; a handler is reset to the default in a child. Signal
+    handlers exist in the main thread only: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_ctrl_c(signum, frame) -> None:
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted.append(True)
+
+    previous = {signum: signal.getsignal(signum) for signum in _LAUNCH_SIGNALS}
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 SEQUENCE_PARALLEL_FLAG = "--sequence_parallel_size"
 
