@@ -325,3 +325,35 @@ def test_a_corrupt_checkpoint_under_launch_ends_the_output_with_one_line_whose_f
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[-1][LOG_PREFIX + "speculative_steps"] >= 1  # the block's speculation: "on" arrived
     assert files_under(out) == before
+
+
+def test_a_ranks_one_line_error_ends_a_multi_process_launchs_output_after_torchruns_report(tmp_path, monkeypatch,
+                                                                                           capfd):
+    """With several processes, torchrun printed its failure report after the ranks' one-line errors:
+    the output ended with the report. Each rank now records its line, and the launcher repeats it,
+    once, after the report. (accelerate's launch is replaced here: the ranks' side is autopatch's
+    hook, called as an uncaught ResumeError would call it.)"""
+    import accelerate.commands.launch as accelerate_launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from superoffload_hf.integrations.resume import ResumeError
+
+    message = "Cannot resume from 'out/checkpoint-4': out/checkpoint-4/optimizer.pt is corrupt; the fix"
+
+    def ranks_fail(parsed):
+        monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+        autopatch._install_interrupt_hook()
+        for _ in range(2):  # both ranks hit the same checkpoint
+            sys.excepthook(ResumeError, ResumeError(message), None)
+        failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(tmp_path / "none.json"))
+        raise ChildFailedError(str(STOCK_SCRIPT), {1: failure})
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", ranks_fail)
+    monkeypatch.setattr(device, "accelerator_count", lambda: 0)
+    code = launcher.main(["--config_file", str(CPU_CONFIG), "--num_processes", "2", str(STOCK_SCRIPT)])
+    err = capfd.readouterr().err.rstrip("\n").splitlines()
+    assert code == 1
+    assert err[-1] == f"superoffload launch: error: {message}", err[-12:]
+    assert f"{STOCK_SCRIPT} FAILED" in "\n".join(err[:-1])  # torchrun's report stays, before it
+    assert err.count(err[-1]) == 3  # each rank's own line, and the launcher's once
+    assert launch_env.LAUNCH_ERROR_FILE_ENV_VAR not in os.environ  # the caller's environment is back

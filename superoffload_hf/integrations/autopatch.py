@@ -34,7 +34,8 @@ from typing import Any, Callable, Mapping
 
 from superoffload_hf.errors import CorruptStateError
 from superoffload_hf.integrations import launch_env
-from superoffload_hf.integrations.launch_env import CONFIG_ENV_VAR, launch_plugin  # noqa: F401
+from superoffload_hf.integrations.launch_env import (CONFIG_ENV_VAR, LAUNCH_ERROR_FILE_ENV_VAR,  # noqa: F401
+                                                     launch_plugin)
 from superoffload_hf.integrations.patch import wrap_trainer_init
 from superoffload_hf.integrations.resume import ResumeError
 
@@ -83,11 +84,21 @@ def _install_interrupt_hook() -> None:
             sys.stderr.write("superoffload launch: the training script was interrupted (Ctrl-C)\n")
             return
         if issubclass(kind, (ResumeError, CorruptStateError)):
-            sys.stderr.write(f"superoffload launch: error: {value}\n")
+            line = f"superoffload launch: error: {value}"
+            sys.stderr.write(line + "\n")
+            record_launch_error(line)
             return
         previous(kind, value, traceback)
 
     sys.excepthook = excepthook
+
+
+def record_launch_error(line: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Append the one-line error to the launcher's file (several ranks may: one line each)."""
+    path = environ.get(LAUNCH_ERROR_FILE_ENV_VAR)
+    if path:
+        with open(path, "a", encoding="utf-8") as errors:
+            errors.write(" ".join(line.split()) + "\n")
 
 
 def _patch_trainer_module(module: Any) -> None:

@@ -8,6 +8,9 @@ from typing import Any, Optional
 
 CONFIG_ENV_VAR = "SUPEROFFLOAD_CONFIG_JSON"
 LAUNCH_COMMAND_ENV_VAR = "SUPEROFFLOAD_LAUNCH_COMMAND"  # shell-quoted, for the resume hint after Ctrl-C
+# A file the launched ranks append their one-line error to: the launcher repeats it after torchrun's
+# failure report, so that a multi-process launch's output ends with it too.
+LAUNCH_ERROR_FILE_ENV_VAR = "SUPEROFFLOAD_LAUNCH_ERROR_FILE"
 
 _launch_block: Optional[dict[str, Any]] = None
 _launch_command: Optional[str] = None

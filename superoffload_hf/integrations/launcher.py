@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from superoffload_hf.integrations.autopatch import CONFIG_ENV_VAR
-from superoffload_hf.integrations.launch_env import LAUNCH_COMMAND_ENV_VAR
+from superoffload_hf.integrations.launch_env import LAUNCH_COMMAND_ENV_VAR, LAUNCH_ERROR_FILE_ENV_VAR
 from superoffload_hf.integrations.openmp_wait import set_openmp_waiting
 
 SITE_DIR = Path(__file__).resolve().parent / "launch_site"
@@ -80,6 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         arguments = accelerate_arguments(plan, tmp)
         env = launch_environment(os.environ, plan.superoffload, on_cpu=plan.on_cpu)
         env[LAUNCH_COMMAND_ENV_VAR] = shlex.join(["superoffload", "launch", *argv])
+        env[LAUNCH_ERROR_FILE_ENV_VAR] = str(Path(tmp) / "errors.txt")
         return run_to_the_end(arguments, env)
 
 
@@ -104,12 +105,22 @@ def run_to_the_end(arguments: list[str], env: dict[str, str]) -> int:
             status = error.code if isinstance(error.code, int) else int(error.code is not None)
         except ChildFailedError as error:  # a rank failed: its traceback is above; this is the summary
             print(error, file=sys.stderr, flush=True)
+            _repeat_the_ranks_errors(env)  # after the summary: the output ends with what to do
             status = 1
     if interrupted or status == 128 + signal.SIGINT:
         print("superoffload launch: interrupted (Ctrl-C); the training script's last lines above say where it "
               "stopped and what to resume from", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     return status
+
+
+def _repeat_the_ranks_errors(env: dict[str, str]) -> None:
+    """The one-line errors the ranks recorded (autopatch.record_launch_error), each once."""
+    path = env.get(LAUNCH_ERROR_FILE_ENV_VAR)
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as errors:
+            for line in dict.fromkeys(line.rstrip("\n") for line in errors if line.strip()):
+                print(line, file=sys.stderr, flush=True)
 
 
 def plan_launch(argv: list[str]) -> LaunchPlan:
