@@ -14,7 +14,7 @@ from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import SIM_ENV_VAR
 from superoffload_hf.device.cpu import CpuRuntime
 from superoffload_hf.parallel.activation_offload import (
-    AUTO_SHARE, SYNCS, ActivationOffload, apply_activation_offload, decide_auto, in_backward)
+    AUTO_SHARE, SYNCS, ActivationOffload, apply_activation_offload, decide_auto, in_backward, offload_for_config)
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime, on_device
 
 from _models import engine_config, micro_batches, read_params, tiny_llama  # noqa: F401
@@ -253,6 +253,56 @@ def test_a_reservation_the_host_memory_cannot_hold_is_refused_before_training_wi
         SimRuntime.reset_shared()
 
 
+def _tiny_host(tmp_path, monkeypatch, total_bytes: int) -> None:
+    """This machine's figure (engine/host_limit.py) faked: MemTotal `total_bytes`, nothing resident, no
+    cgroup limit, heuristic overcommit (as tests/test_host_memory_check.py's vm_host)."""
+    from superoffload_hf.engine import host_limit
+
+    (tmp_path / "meminfo").write_text(f"MemTotal: {total_bytes // 1024} kB\nMemAvailable: {total_bytes // 1024} kB\n")
+    (tmp_path / "proc").mkdir(exist_ok=True)
+    (tmp_path / "cgroup").write_text("0::/\n")
+    (tmp_path / "overcommit").write_text("0\n")
+    for name, value in (("MEMINFO", "meminfo"), ("PROC", "proc"), ("PROC_SELF_CGROUP", "cgroup"),
+                        ("CGROUP_ROOT", "no-cgroup-fs"), ("OVERCOMMIT", "overcommit")):
+        monkeypatch.setattr(host_limit, name, str(tmp_path / value))
+
+
+@pytest.mark.sim
+def test_a_host_memory_budget_binds_the_reservation_both_ways_and_the_refusal_names_it(sim, tmp_path, monkeypatch):
+    """Before: reserve() checked the machine's figure only, whatever `host_memory_budget` said."""
+    from superoffload_hf.engine.host_limit import own_resident
+
+    _tiny_host(tmp_path, monkeypatch, 1 << 40)  # the machine says 1 TiB
+    resident, model = own_resident(), _checkpointed()  # (the hooks hold the model's blocks weakly)
+    offload, _ = offload_for_config(model, "on", True, sim, host_budget=resident // 2)
+    with pytest.raises(MemoryError, match=r"activation offload: 3 block inputs of 3072 bytes take 12288 bytes .*; "
+                                          r"`host_memory_budget` \(\d+\.\d\d GiB\) less this process's resident memory "
+                                          r"\(\d+\.\d\d GiB\) leaves 0\. .*or raise `host_memory_budget`\."):
+        offload.reserve(3072)
+    assert offload.pool.allocations == 0
+    offload.remove()
+    _tiny_host(tmp_path, monkeypatch, 8192)
+    offload, line = offload_for_config(model, "on", True, sim, block_input_bytes=3072,
+                                       host_budget=resident + 2**30)  # the machine says 8 KiB: the budget wins
+    assert offload.pinned_bytes == offload.pool.limit_bytes == 3 * 4096, line
+    offload.remove()
+    assert not sim.errors, sim.errors
+
+
+@pytest.mark.sim
+def test_the_trainer_sizes_the_pinned_pool_against_the_configs_host_memory_budget(tmp_path, sim, monkeypatch):
+    """Before: the Trainer's reservation was refused by the machine's figure under a budget that fits."""
+    from superoffload_hf.engine.host_limit import own_resident
+
+    _tiny_host(tmp_path, monkeypatch, 16 * 1024)  # the machine says 16 KiB: the pool's 24 KiB would not fit
+    budget = own_resident() + 2**30
+    on, _, _ = _trainer_run(tmp_path, "on", steps=1, host_memory_budget=budget)
+    hooks = on.superoffload.activation_offload
+    assert hooks.host_budget == budget
+    assert hooks.pool.limit_bytes == hooks.pinned_bytes == 3 * 4 * 16 * 32 * 4
+    assert not sim.errors, sim.errors
+
+
 # ---- mutation tests ------------------------------------------------------------------------------
 
 
@@ -360,7 +410,7 @@ def test_the_config_field_takes_auto_on_off_and_names_the_choices():
         SuperOffloadConfig(activation_offload="yes")
 
 
-def _trainer_run(tmp_path, choice: str, gradient_checkpointing: bool = True, steps: int = 3):
+def _trainer_run(tmp_path, choice: str, gradient_checkpointing: bool = True, steps: int = 3, **superoffload):
     from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
 
     batches = [{k: v[0] for k, v in micro_batches(i, batch=1)[0].items()} for i in range(4 * steps)]
@@ -369,7 +419,7 @@ def _trainer_run(tmp_path, choice: str, gradient_checkpointing: bool = True, ste
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
         data_seed=0, gradient_checkpointing=gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False}, superoffload=True,
-        superoffload_config={"host_kernel": "reference", "activation_offload": choice})
+        superoffload_config={"host_kernel": "reference", "activation_offload": choice, **superoffload})
     trainer = Trainer(model=tiny_llama(num_layers=4), args=args, train_dataset=batches)
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]

@@ -173,20 +173,22 @@ class SuperOffloadHooks:
                     [(g["weight_decay"], len(g["params"])) for g in groups], max_grad_norm(args),
                     config.device_dtype)
         self.apply_activation_offload(model, config.activation_offload, bool(checkpointing),
-                                      block_input_bytes(model, args.per_device_train_batch_size, trainer.train_dataset))
+                                      block_input_bytes(model, args.per_device_train_batch_size, trainer.train_dataset),
+                                      host_budget=config.host_memory_budget)
         return wrap_optimizer(trainer.accelerator, optimizer, config.device_dtype)
 
     def apply_activation_offload(self, model, choice: str, gradient_checkpointing: bool,
-                                 input_bytes: Optional[int] = None) -> None:
+                                 input_bytes: Optional[int] = None, host_budget: Optional[int] = None) -> None:
         """Config `activation_offload`: hooks on the model the optimizer trains (parallel/activation_offload.py),
         replacing those of an earlier optimizer; their pinned pool sized for block inputs of
-        `input_bytes` before training (None: unknown, sized by the first forward)."""
+        `input_bytes` before training (None: unknown, sized by the first forward), against `host_budget`
+        (config `host_memory_budget`) when set."""
         from superoffload_hf.parallel.activation_offload import offload_for_config
 
         if self.activation_offload is not None:
             self.activation_offload.remove()
         self.activation_offload, line = offload_for_config(model, choice, gradient_checkpointing,
-                                                           block_input_bytes=input_bytes)
+                                                           block_input_bytes=input_bytes, host_budget=host_budget)
         logger.info("superoffload: %s", line)
 
     def save_model(self, original, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:

@@ -73,10 +73,10 @@ AUTO_SHARE = 0.25
 MODES = ("on", "auto")
 
 
-def _host_memory_left(runtime):
+def _host_memory_left(runtime, budget_bytes: Optional[int]):
     from superoffload_hf.engine.host_limit import host_memory_left
 
-    return host_memory_left(runtime)
+    return host_memory_left(runtime, budget_bytes)
 
 
 def offloaded_host_bytes(blocks: int, block_input_bytes: int, rounds: bool) -> int:
@@ -212,10 +212,11 @@ class _Saved:
 class ActivationOffload:
     """The hooks on one model. `mode` "on": offload from the first training forward on; "auto":
     decide at the first training forward (decide_auto). `omitted`: synchronisations to leave out
-    (the mutation tests only)."""
+    (the mutation tests only). `host_budget`: config `host_memory_budget` (bytes; None: unset), the
+    memory reserve() checks against in place of the machine's figure (engine/host_limit.py)."""
 
     def __init__(self, model: torch.nn.Module, runtime=None, mode: str = "on", depth: int = DEFAULT_DEPTH,
-                 omitted: Sequence[str] = ()):
+                 omitted: Sequence[str] = (), host_budget: Optional[int] = None):
         if mode not in MODES:
             raise ValueError(f"`mode` is {mode!r}; expected one of {list(MODES)}.")
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
@@ -236,6 +237,7 @@ class ActivationOffload:
         # weakly: the model holds these hooks (a cycle would outlive the model until the collector runs)
         self._blocks = [weakref.ref(b) for b in blocks]
         self.runtime, self.depth, self.omitted = runtime, depth, frozenset(omitted)
+        self.host_budget = host_budget
         self.decision: Optional[Decision] = Decision(True, "on") if mode == "on" else None
         self.d2h, self.h2d = runtime.new_stream(), runtime.new_stream()
         self.pool = PinnedPool(runtime)
@@ -434,13 +436,14 @@ class ActivationOffload:
         self._reserved = block_input_bytes
         if self.decision is None or not self.decision.on:
             return need
-        left = _host_memory_left(self.runtime)
+        left = _host_memory_left(self.runtime, self.host_budget)
         if left is not None and need - self.pool.nbytes > left[0]:
             raise MemoryError(
                 f"activation offload: {count} block inputs of {block_input_bytes} bytes take {need} bytes of "
                 f"page-locked host memory ({self.pool.block_bytes(block_input_bytes)} a block, the host allocator "
                 f"rounding each up to a power of two); {left[1]} leaves {left[0]}. Shorten the sequence or the "
-                "micro-batch, or set `activation_offload: off`.")
+                "micro-batch, set `activation_offload: off`"
+                + (", or raise `host_memory_budget`." if self.host_budget is not None else "."))
         self.pool.reserve([block_input_bytes] * count)
         return need
 
@@ -469,22 +472,24 @@ class ActivationOffload:
 
 
 def apply_activation_offload(model: torch.nn.Module, runtime=None, mode: str = "on", depth: int = DEFAULT_DEPTH,
-                             omitted: Sequence[str] = ()) -> ActivationOffload:
+                             omitted: Sequence[str] = (), host_budget: Optional[int] = None) -> ActivationOffload:
     """Offload the block inputs gradient checkpointing keeps (enable it first, e.g.
     `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`)
     for every training forward of `model` from now on, on `runtime` (default: the runtime of the
     model's device, superoffload_hf.device.make_runtime). Returns the hooks: `.remove()`, or use
     them as a context manager. On the CPU device "on" copies to host memory and back for nothing
-    but the same numbers (the config's `activation_offload` does not apply it there)."""
-    return ActivationOffload(model, runtime, mode, depth, omitted)
+    but the same numbers (the config's `activation_offload` does not apply it there). `host_budget`:
+    as the config's `host_memory_budget`, what reserve() checks against (None: the machine's figure)."""
+    return ActivationOffload(model, runtime, mode, depth, omitted, host_budget)
 
 
 def offload_for_config(model: torch.nn.Module, choice: str, gradient_checkpointing: bool,
-                       runtime=None, block_input_bytes: Optional[int] = None) -> tuple[Optional[ActivationOffload], str]:
+                       runtime=None, block_input_bytes: Optional[int] = None,
+                       host_budget: Optional[int] = None) -> tuple[Optional[ActivationOffload], str]:
     """The config's `activation_offload` (`choice`) for a run: the hooks on `model` (None: not
     applied) and the line that says what was decided and why. `block_input_bytes` (one block
     input at the longest micro-batch; None: unknown): the pinned pool is sized and bounded before
-    training (ActivationOffload.reserve)."""
+    training (ActivationOffload.reserve), against `host_budget` (config `host_memory_budget`) when set."""
     if choice == "off":
         return None, "activation offload off"
     if runtime is None:
@@ -500,7 +505,7 @@ def offload_for_config(model: torch.nn.Module, choice: str, gradient_checkpointi
                 "inputs that gradient checkpointing keeps. Set `gradient_checkpointing=True` (TrainingArguments, "
                 "or the recipe's `training` block), or `activation_offload: auto` / `off`.")
         return None, "activation offload auto: off, gradient checkpointing is off"
-    hooks = ActivationOffload(model, runtime, mode=choice)
+    hooks = ActivationOffload(model, runtime, mode=choice, host_budget=host_budget)
     if block_input_bytes is None:
         return hooks, hooks.describe() + "; pinned pool sized at the first training forward (input size unknown)"
     need = hooks.reserve(block_input_bytes)
