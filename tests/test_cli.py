@@ -353,6 +353,19 @@ def test_dry_run_with_compact_state_prints_its_kinds_bytes_per_param_and_snapsho
     assert "snapshot" not in off  # nothing is ever speculated: no pre-step bytes to keep
 
 
+def test_dry_run_decides_the_snapshot_trade_against_the_host_memory_budget_as_the_engine_does(capsys):
+    """Before: the dry run's trade read this machine's memory whatever `host_memory_budget` said."""
+    compact = ("--superoffload.state_precision", "compact")
+    memory, _ = dry_run_memory(capsys, *compact, "--superoffload.host_memory_budget", "100MB")
+    line = next(x for x in memory.splitlines() if x.startswith("  speculation snapshot "))
+    assert "speculates 0 of 10 host buckets (host memory: 0.000 GB left for snapshots" in line, line
+    assert re.search(r"with `host_memory_budget` \(0\.09 GiB\) less this process's resident memory; after step 1",
+                     line), line
+    memory, _ = dry_run_memory(capsys, *compact, "--superoffload.host_memory_budget", "1TB")
+    line = next(x for x in memory.splitlines() if x.startswith("  speculation snapshot "))
+    assert "speculates 10 of 10 host buckets (the snapshots fit) with `host_memory_budget` (931.32 GiB)" in line, line
+
+
 def test_dry_run_prints_which_units_flow_and_the_device_weights_with_and_without(capsys):
     memory, rows = dry_run_memory(capsys, "--superoffload.weights", "flow")
     line = next(x for x in memory.splitlines() if x.startswith("  weights flow; "))

@@ -51,7 +51,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     plan, policy = estimate_layout(params, groups, config, accelerator, int(t.get("gradient_accumulation_steps", 1)),
                                    shard_world=shard_world)
     n = sum(p.numel() for p in params)
-    trade = dry_run_trade(plan, policy, config.speculation, not accelerator)
+    trade = dry_run_trade(plan, policy, config.speculation, not accelerator, host_budget=config.host_memory_budget)
     rows = footprint(plan, policy)  # every snapshot counted: the trade lines say what auto drops
     where = "an accelerator (cast auto = host, device_buckets auto = 0)" if accelerator else "the CPU"
     lines = [f"memory: {n / 1e9:.3f}B parameters, {len(plan.buckets)} buckets, on {where}; "
@@ -65,7 +65,9 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     lines.append(format_footprint(rows, n))
     lines.append(state_line(rows, config.state_precision, n, shard_world))
     if trade.applies:
-        lines.append(f"  {trade.describe(n)} with this machine's memory now; after step 1 the engine decides "
+        against = ("this machine's memory now" if config.host_memory_budget is None else
+                   f"`host_memory_budget` ({config.host_memory_budget / 2**30:.2f} GiB) less this process's resident memory")
+        lines.append(f"  {trade.describe(n)} with {against}; after step 1 the engine decides "
                      "again, also from the measured host bandwidth and backward time")
         on_128 = dry_run_trade(plan, policy, config.speculation, not accelerator, memory_left=HOST_SIZES[0][0])
         lines.append(f"  on {HOST_SIZES[0][1]}: speculates {on_128.speculated_buckets} of {on_128.host_buckets} "
@@ -104,9 +106,11 @@ def state_line(rows, state_precision: str, num_params: int, shard_world: Optiona
     return line
 
 
-def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Optional[int] = None):
+def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Optional[int] = None,
+                  host_budget: Optional[int] = None):
     """The snapshot trade of `speculation: auto` (engine/snapshot_trade.py) as the engine decides
-    it at construction: against this machine's memory now, or `memory_left` bytes."""
+    it at construction: against the memory this process may use now (`host_budget`, config
+    `host_memory_budget`, when set: engine/host_limit.py), or `memory_left` bytes."""
     from superoffload_hf.engine.host_limit import host_bytes, replan_transient
     from superoffload_hf.engine.memory import footprint
     from superoffload_hf.engine.snapshot_trade import engine_trade, snapshot_trade
@@ -120,7 +124,7 @@ def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Op
     class _ThisHost:  # the dry run has no runtime: the memory limits of this process
         host_is_device = device_is_host
 
-    return engine_trade(plan, policy, mode, _ThisHost(), check_memory=True)
+    return engine_trade(plan, policy, mode, _ThisHost(), check_memory=True, host_budget=host_budget)
 
 
 def weights_line(model, params, config) -> str:
