@@ -214,7 +214,10 @@ class SuperOffloadConfig:
     """The host memory this process may use in all, its resident memory included: bytes, or a
     string such as "100GB" or "96GiB". Set: the host check compares against it less the process's
     resident memory, instead of what it reads from the machine (for a host whose limits it cannot
-    read, e.g. a VM that grows its memory on use). null: read the machine."""
+    read, e.g. a VM that grows its memory on use). The same figure bounds the activation offload's
+    pinned pool reserved before training (its refusal names it) and the snapshot trade of
+    `speculation: auto`, in the engine and in `superoffload train --dry-run`. null: read the
+    machine."""
 
     host_kernel: str = AUTO
     """Which host Adam implementation to use. "cpp": the JIT-built GraceAdam kernel (error if it
