@@ -449,7 +449,7 @@ class WeightFlow:
         moved = sum(p.numel() * p.element_size() for p in unit.params)
         self.bytes_fetched += moved
         if self.counters is not None:
-            self.counters.bytes_h2d += moved
+            self.counters.add("bytes_h2d", moved)
             self.counters.weight_fetches += 1
             self.counters.bytes_fetched += moved
         if self.timeline is not None:
