@@ -526,8 +526,14 @@ class WeightFlow:
         if self.all_ranks_true is not None:
             fits = self.all_ranks_true(fits)
         if fits:
+            compute = self.runtime.current_stream()
             for unit in away:
                 self.ensure(unit)
+                for p in unit.params:
+                    # allocated on the flow stream, the model's from now on: once no release's
+                    # event orders a later fetch after its readers, only this keeps the caching
+                    # allocator from handing the memory out while compute kernels still read it
+                    self.runtime.record_stream(p.data, compute)
             return "device"
         with torch.no_grad():
             for unit in away:
