@@ -1,14 +1,17 @@
 """OffloadCounters: what the engine did, for logs and benchmarks.
 
 Step counts are per optimizer step (`step()` call); a step in which several buckets rolled
-back counts once in `rollbacks`. Each field is written by one thread only (the training thread
-or the host worker), so no lock is needed.
+back counts once in `rollbacks`. A field written from both the training thread and the host worker
+(the byte counts: weight-flow's fetches and gradient copies on the one, copy-backs on the other) is
+updated through `add`, under a lock; the others are written by one thread only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass
@@ -51,6 +54,13 @@ class OffloadCounters:
     """Seconds the training thread blocked on the host worker (bucket norms at step(), a busy
     bucket before its next gradients). On an accelerator this includes waiting for gradient
     copies, i.e. for the device to finish backward: it is not device idle time."""
+
+    _lock: ClassVar[threading.Lock] = threading.Lock()  # one for all instances: not a field (asdict, pickling)
+
+    def add(self, name: str, amount) -> None:
+        """`self.<name> += amount`, safe against another thread adding to the same field."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

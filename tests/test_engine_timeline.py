@@ -203,3 +203,27 @@ def test_on_the_cpu_device_the_timeline_says_why_the_copy_tracks_stay_empty(tmp_
     cpu = StepObserver(CpuRuntime(), OffloadCounters(), tmp_path / "cpu")
     assert cpu.timeline.empty_notes == CPU_EMPTY_NOTES and set(CPU_EMPTY_NOTES) == {D2H, H2D}
     assert StepObserver(_AsyncRuntime(), OffloadCounters(), tmp_path / "async").timeline.empty_notes == {}
+
+
+def test_byte_counts_added_from_several_threads_at_once_end_at_the_exact_total():
+    # the training thread (fetches, gradient copies) and the host worker (copy-backs) both add to
+    # bytes_h2d/bytes_d2h; a short switch interval makes the threads interleave as often as they can
+    import sys
+    import threading
+
+    counters, per_thread, threads = OffloadCounters(), 20000, 4
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def work():
+            for _ in range(per_thread):
+                counters.add("bytes_h2d", 3)
+                counters.add("bytes_d2h", 1)
+        pool = [threading.Thread(target=work) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert (counters.bytes_h2d, counters.bytes_d2h) == (3 * per_thread * threads, per_thread * threads)

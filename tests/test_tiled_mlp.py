@@ -103,3 +103,31 @@ def test_applying_twice_is_refused_remove_restores_and_a_model_without_layers_is
         apply_tiled_mlp(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="`chunk_tokens` is 0"):
         apply_tiled_mlp(model, chunk_tokens=0)
+
+
+@pytest.mark.usefixtures("device_mode")
+def test_a_compiled_model_with_the_tiled_mlp_and_loss_trains_bitwise_like_the_uncompiled_one():
+    from superoffload_hf import SuperOffloadAdamW
+    from tests._models import engine_config, micro_batches
+
+    def train(compiled: bool) -> tuple[list, list]:
+        torch._dynamo.reset()
+        model = apply_tiled_mlp(apply_tiled_loss(tiny_llama(num_layers=1), 8), 8)
+        run = torch.compile(model, backend="eager") if compiled else model
+        losses = []
+        with SuperOffloadAdamW(model.parameters(), lr=1e-2, model=model,
+                               config=engine_config(device_buckets=0)) as opt:
+            for step in range(2):
+                (batch,) = micro_batches(step)
+                loss = run(**batch).loss
+                loss.backward()
+                losses.append(loss.detach().clone())
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            return losses, [p.detach().clone() for p in model.parameters()]
+
+    want, got = train(False), train(True)
+    torch._dynamo.reset()
+    for a, b in zip(want[0] + want[1], got[0] + got[1]):
+        assert torch.equal(a, b)

@@ -742,3 +742,40 @@ def test_flow_with_gradient_checkpointing_of_either_kind_trains_bitwise_like_sta
     got = _train_checkpointed("flow", reentrant, kind)
     for name, value in want.items():
         assert torch.equal(got[name], value), f"{name} differs under weight-flow"
+
+
+@pytest.mark.sim
+def test_close_records_the_compute_stream_on_each_storage_it_fetches_on_the_flow_stream(sim):
+    model = tiny_llama(num_layers=2)
+    opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model,
+                            config=engine_config(device_buckets=0, weights="flow"))
+    (batch,) = micro_batches(0)
+    model(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    runtime = opt._engine.runtime
+    away = [p for p in model.parameters() if p.untyped_storage().nbytes() == 0]
+    assert away  # released between uses: close() fetches them on the flow stream
+    recorded, record = [], runtime.record_stream
+    runtime.record_stream = lambda tensor, stream: (recorded.append((tensor.untyped_storage().data_ptr(), stream)),
+                                                    record(tensor, stream))[-1]
+    opt.close()
+    compute = runtime.current_stream()
+    for p in away:
+        assert (p.untyped_storage().data_ptr(), compute) in recorded, p.shape
+
+
+@pytest.mark.usefixtures("device_mode")
+def test_a_compiled_model_under_flow_is_refused_at_its_first_forward_naming_the_config_and_the_fix():
+    model = tiny_llama(num_layers=1)
+    with SuperOffloadAdamW(model.parameters(), lr=LR, model=model,
+                           config=engine_config(device_buckets=0, weights="flow")) as opt:
+        (batch,) = micro_batches(0)
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError, match=r"torch.compile traced the forward of unit model.embed_tokens under "
+                                               r"`weights: flow`.*set `weights: stationary`"):
+            torch.compile(model, backend="eager")(**batch)
+        torch._dynamo.reset()
+        model(**batch).loss.backward()  # the uncompiled model still trains
+        opt.step()
+        assert opt.counters.steps == 1

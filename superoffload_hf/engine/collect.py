@@ -214,7 +214,7 @@ class Collector:
             landed = rt.bufs.grad if fp32_direct else self.buckets.landing(rt, flat.dtype, self.waiter.wait_idle)
             issued = time.perf_counter()
             event = self.transfer.grad_to_host(flat, landed)
-            self.counters.bytes_d2h += flat.numel() * flat.element_size()
+            self.counters.add("bytes_d2h", flat.numel() * flat.element_size())
             # this round is the step's whole gradient (launched now, or at step() where the CPU
             # device launches only to speculate): no upcast, no fp32 buffer (BufferPolicy.grad_lazy)
             keep = first and (launch or self._is_last_micro_batch(rt))

@@ -258,7 +258,7 @@ class DataParallel:
         issued = time.perf_counter()
         event = self.transfer.grad_to_host(shard_dev, landed)
         self.runtime.record_stream(shard_dev, self.transfer.d2h)  # dropped now; not reused while d2h reads it
-        self.counters.bytes_d2h += shard_dev.numel() * shard_dev.element_size()
+        self.counters.add("bytes_d2h", shard_dev.numel() * shard_dev.element_size())
         rt.staged = True
         rt.move(BucketState.LAUNCHED)
         rt.norm_ready.clear()
@@ -424,7 +424,7 @@ class DataParallel:
                 runtime.record_stream(p.detach(), transfer.h2d)
             done = runtime.new_event()
             done.record(transfer.h2d)
-        self.counters.bytes_h2d += src.numel() * src.element_size()
+        self.counters.add("bytes_h2d", src.numel() * src.element_size())
         return done
 
     def all_flow(self, rt: BucketRuntime) -> bool:

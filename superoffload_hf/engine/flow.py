@@ -366,6 +366,12 @@ class WeightFlow:
     # ---- the hooks ---------------------------------------------------------------------------
 
     def before_forward(self, unit: _Unit, module, args) -> None:
+        if _under_torch_compile():
+            raise RuntimeError(
+                f"torch.compile traced the forward of unit {unit.spec.name} under `weights: flow`: weight-flow "
+                "frees each unit's weights between its uses and fetches them in forward hooks, which a compiled "
+                "graph does not run as such (it would read released storages). Call the uncompiled model, or set "
+                "`weights: stationary` (or `auto` where the weights fit on the device) to use torch.compile.")
         backward = in_backward()  # a recomputation under gradient checkpointing
         if not backward:
             if self.gathered is not None or self.gathered_elsewhere:
@@ -449,7 +455,7 @@ class WeightFlow:
         moved = sum(p.numel() * p.element_size() for p in unit.params)
         self.bytes_fetched += moved
         if self.counters is not None:
-            self.counters.bytes_h2d += moved
+            self.counters.add("bytes_h2d", moved)
             self.counters.weight_fetches += 1
             self.counters.bytes_fetched += moved
         if self.timeline is not None:
@@ -526,8 +532,14 @@ class WeightFlow:
         if self.all_ranks_true is not None:
             fits = self.all_ranks_true(fits)
         if fits:
+            compute = self.runtime.current_stream()
             for unit in away:
                 self.ensure(unit)
+                for p in unit.params:
+                    # allocated on the flow stream, the model's from now on: once no release's
+                    # event orders a later fetch after its readers, only this keeps the caching
+                    # allocator from handing the memory out while compute kernels still read it
+                    self.runtime.record_stream(p.data, compute)
             return "device"
         with torch.no_grad():
             for unit in away:
@@ -577,6 +589,15 @@ class WeightFlow:
 
     def note(self) -> str:
         return self.plan.describe()
+
+
+def _under_torch_compile() -> bool:
+    """Whether torch.compile (Dynamo) is tracing or running this call. Hazard: a `raise` Dynamo
+    traces makes it run the frame eagerly instead, where `is_compiling()` is False; the
+    frame-evaluation callback, read there, stays set while a compiled module's call runs."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
 def _call(ref, method: str, unit: _Unit, *bound):

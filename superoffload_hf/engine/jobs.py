@@ -151,6 +151,6 @@ class HostJobs:
         rt.h2d_event = self.transfer.params_to_device(
             src, [rt.params[k] for k in ks], [rt.bucket.slots[k].offset for k in ks])
         moved = sum(rt.bucket.slots[k].numel for k in ks) * src.element_size()
-        self.counters.bytes_h2d += moved
+        self.counters.add("bytes_h2d", moved)
         self.timeline.span(H2D, f"params b{rt.bucket.index}", start, time.perf_counter(), bucket=rt.bucket.index,
                            bytes=moved, clock="host (issue)")

@@ -29,6 +29,9 @@ _WRAPPED = "_superoffload_tiled_mlp_chunk"  # on each wrapped MLP: its chunk siz
 _RECOMPUTING = "_superoffload_tiled_mlp_recomputing"  # set while backward runs the MLP's own forward
 
 
+# torch.compile runs it eagerly (a graph break): Dynamo fails tracing this autograd.Function,
+# which takes the module and recomputes its forward under enable_grad in backward
+@torch.compiler.disable
 def tiled_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor, chunk_tokens: int = TILED_MLP_CHUNK_TOKENS) -> torch.Tensor:
     """`mlp`'s own forward of x (..., h), computed `chunk_tokens` tokens at a time."""
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
