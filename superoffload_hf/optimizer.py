@@ -148,14 +148,14 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         return self._engine.dp is not None
 
     def before_collective(self) -> None:
-        """Call before a collective of your own on another process group after step(), ahead of
-        the next backward (sequence parallelism's all-to-alls in the forward: SequenceParallel
-        does): returns once the host worker has issued every weight all-gather step() queued, so
+        """Returns once the host worker has issued every weight all-gather queued so far, so
         that every rank issues the two threads' collectives in one order (NCCL requires it
-        across communicators; engine/dp.py). Costs the copy-backs' overlap with the forward's
-        start. Nothing to do in one process."""
+        across communicators; engine/dp.py). step() now returns only after that (the Trainer's
+        own collectives after it need nothing), so after step() this returns at once; kept for
+        callers that call it before their collectives on another group (SequenceParallel does).
+        Nothing to do in one process."""
         if self._engine.dp is not None:
-            self._engine.dp._wait_for_queued_gathers()
+            self._engine.dp.wait_for_queued_gathers()
 
     def save_sharded(self, directory: str) -> list[str]:
         """Every rank writes its shard to `directory` (optimizer.shard-RRRRR-of-NNNNN.pt; no rank

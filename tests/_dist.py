@@ -1,6 +1,9 @@
 """Run a function on N local processes (gloo over a FileStore), with a deadline: a hang fails the
 test instead of blocking the suite. Each rank's return value comes back (pickled); an exception on
-any rank fails the test with that rank's traceback."""
+any rank fails the test with that rank's traceback. Each rank records the collectives it issues
+(superoffload_hf.testing.collective_order) and the ranks' records are compared: one communicator's
+collectives in one sequence, and two communicators' interleaved in one order, on every rank (NCCL
+hangs otherwise; gloo does not, so this is how a CPU test sees it)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ DEFAULT_DEADLINE_S = 90.0
 # modules, tests/_*.py, are not importable there; each rank imports them.)
 PRELOAD = ["torch", "torch.distributed", "superoffload_hf.optimizer", "superoffload_hf.engine.dp",
            "superoffload_hf.engine.shard_checkpoint", "superoffload_hf.parallel",
-           "superoffload_hf.device.collectives", "transformers.models.llama.modeling_llama"]
+           "superoffload_hf.device.collectives", "superoffload_hf.testing.collective_order",
+           "transformers.models.llama.modeling_llama"]
 
 
 def _rank_context():
@@ -38,7 +42,8 @@ def _rank_context():
     return ctx
 
 
-def _entry(rank: int, world: int, store: str, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
+def _entry(rank: int, world: int, store: str, out_dir: str, fn: Callable, args: tuple, env: dict,
+           record: bool) -> None:
     # The caller's environment as it is now (the fork server's is from when it started); torch
     # was imported before it, so a variable torch reads at import is the fork server's.
     os.environ.clear()
@@ -46,8 +51,11 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn: Callable, args: 
     import torch
     import torch.distributed as dist
 
+    from superoffload_hf.testing import collective_order
+
     torch.set_num_threads(1)
     result: Any
+    recorder = collective_order.install() if record else None
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
@@ -57,17 +65,21 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn: Callable, args: 
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = ("error", traceback.format_exc())
+    if recorder is not None:
+        recorder.uninstall()
+        result = (*result, list(recorder.events))
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
 def run_ranks(fn: Callable, world: int, *args, deadline_s: float = DEFAULT_DEADLINE_S,
-              env: dict | None = None) -> list:
-    """fn(rank, world, *args) on `world` processes forked from the fork server; the list of their return values."""
+              env: dict | None = None, check_order: bool = True) -> list:
+    """fn(rank, world, *args) on `world` processes forked from the fork server; the list of their
+    return values. `check_order`: fail when the ranks' collectives differ in order (module docstring)."""
     ctx = _rank_context()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
-        procs = [ctx.Process(target=_entry, args=(r, world, store, tmp, fn, args, env), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(r, world, store, tmp, fn, args, env, check_order), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -83,13 +95,19 @@ def run_ranks(fn: Callable, world: int, *args, deadline_s: float = DEFAULT_DEADL
         for r in range(world):
             path = Path(tmp, f"rank{r}.pkl")
             results.append(pickle.loads(path.read_bytes()) if path.exists() else ("missing", None))
-    errors = [f"rank {r}:\n{value}" for r, (kind, value) in enumerate(results) if kind == "error"]
+    errors = [f"rank {r}:\n{value}" for r, (kind, value, *_) in enumerate(results) if kind == "error"]
     if errors:
         raise AssertionError("\n".join(errors))
     if hung:
         raise AssertionError(f"ranks {hung} of {world} did not finish within {deadline_s:.0f}s (a hang)")
-    missing = [r for r, (kind, _) in enumerate(results) if kind != "ok"]
+    missing = [r for r, (kind, *_) in enumerate(results) if kind != "ok"]
     if missing:
         raise AssertionError(f"ranks {missing} exited without a result (exit codes "
                              f"{[p.exitcode for p in procs]})")
-    return [value for _, value in results]
+    if check_order:
+        from superoffload_hf.testing.collective_order import compare
+
+        problem = compare([events for _, _, events in results])
+        if problem:
+            raise AssertionError(f"the ranks' collectives: {problem}")
+    return [value for _, value, *_ in results]

@@ -370,6 +370,54 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
             "roles": [role for role, _ in groups]}
 
 
+def default_group_collective_each_step(rank: int, world: int, steps: int = 2, late_gather_rank: int = 1,
+                                       late_caller_rank: int = 0, delay_s: float = 0.5) -> str:
+    """The Trainer's pattern: a collective on the default group at the start of every step (its
+    token count, accelerator.gather) from code the engine does not own, then forward, backward,
+    step(). Rank `late_gather_rank`'s worker issues its copy-backs' all-gathers `delay_s` late and
+    rank `late_caller_rank` calls the default-group collective `delay_s` after step() returned: an
+    engine that returned from step() before its all-gathers were issued would let the two
+    communicators' collectives interleave in opposite orders on the two ranks (_dist compares them).
+    Returns the weights' digest."""
+    import time as time_module
+
+    import torch.distributed as dist
+
+    from superoffload_hf import SuperOffloadAdamW
+    from superoffload_hf.engine import dp as dp_module
+
+    gather_back = dp_module.DataParallel.gather_back
+    late = {"next": False}  # the first copy-back of each step only (the step's first all-gather)
+
+    def late_gather_back(self, rt):
+        if late["next"]:
+            late["next"] = False
+            time_module.sleep(delay_s)
+        return gather_back(self, rt)
+
+    model = tiny_llama(seed=0)
+    if rank == late_gather_rank:
+        dp_module.DataParallel.gather_back = late_gather_back
+    try:
+        opt = SuperOffloadAdamW(model.parameters(), lr=LR, config=engine_config(speculation="on"))
+        for step in range(steps):
+            batches = rank_batches(step, rank, world, 1)
+            if rank == late_caller_rank and step > 0:
+                time_module.sleep(delay_s)
+            tokens = torch.tensor([sum(b["labels"].numel() for b in batches)])
+            dist.all_reduce(tokens)  # the default group, as the Trainer's token count
+            for batch in batches:
+                model(**batch).loss.backward()
+            late["next"] = True
+            opt.step()
+            opt.zero_grad()
+        digest = params_digest(model)
+        opt.close()
+    finally:
+        dp_module.DataParallel.gather_back = gather_back
+    return digest
+
+
 # ---- compact host state: data parallel against one process on the same global batch -------------
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from _dist import run_ranks
-from _dp_train import collective_order, launch_order_learned, train
+from _dp_train import collective_order, default_group_collective_each_step, launch_order_learned, train
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -225,6 +225,16 @@ def test_communicators_are_created_eagerly_and_the_threads_collectives_keep_one_
         assert any(thread != "MainThread" for _, role, thread, _ in training if role == "gather")
     sequences = [[(op, role) for op, role, _, _ in r["training"]] for r in per_rank]
     assert sequences[0] == sequences[1], "the ranks issued their collectives in different orders"
+
+def test_a_default_group_collective_each_step_keeps_one_order_with_the_worker_s_all_gathers_on_every_rank():
+    """Issue 29 item 10: the Trainer's token count (accelerator.gather on the default group) at
+    every step, code the engine does not own. Rank 1's worker issues its all-gathers late and rank
+    0 reaches the default-group collective late: every rank still issues step t's all-gathers
+    before step t+1's default-group collective (run_ranks compares the ranks' collectives, per
+    communicator and across communicators), and the ranks end with the same weights."""
+    per_rank = run_ranks(default_group_collective_each_step, 2, deadline_s=120, env={"SUPEROFFLOAD_SIM_DEVICE": "1"})
+    assert per_rank[0] == per_rank[1]
+
 
 FOUR_RANKS = {
     "nonfinite_on_rank3_clip_mild": dict(speculation="on", clip="mild", steps=5, poison_rank=3, poison_steps=(2,)),

@@ -303,6 +303,8 @@ class Engine:
             self.waiter.wait_for_params(self.reads.orphans)  # no forward hook waits for these
         else:
             self.synchronize()
+        if self.dp is not None:  # before the caller's own collectives (DataParallel.wait_for_queued_gathers)
+            self.dp.wait_for_queued_gathers()
         return decision
 
     # ---- layout ---------------------------------------------------------------------------

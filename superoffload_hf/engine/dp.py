@@ -29,8 +29,9 @@ master and moments, plus its shard of the gradient staging. Per step and host bu
                             of the bucket's weights into the parameters (a separate process group
                             from the training thread's); the next forward waits for it per bucket,
                             and the training thread's next collective waits until every one of
-                            them is issued (`_wait_for_queued_gathers`): one order across the
-                            two threads on every rank (device/collectives.py)
+                            them is issued before step() returns (`wait_for_queued_gathers`):
+                            one order across the two threads, and against any collective the
+                            caller issues after step(), on every rank (device/collectives.py)
 
 Launch order. Collectives on one process group pair up by their order on each rank, so every
 rank issues the reduce-scatters in one fixed order, never the order this rank's buckets happen
@@ -157,7 +158,7 @@ class DataParallel:
         # step()'s norm all-reduce (Committer.apply queues them next) and refresh_device_params(). Weak: no cycle through
         # the collectives.
         self._gathers_queued = False
-        collectives.before_training = weakref.WeakMethod(self._wait_for_queued_gathers)
+        collectives.before_training = weakref.WeakMethod(self.wait_for_queued_gathers)
         self.flows = lambda p: False  # weight-flow (engine/flow.py): its parameters are gathered at each fetch
 
     def use_collector(self, collector) -> None:
@@ -302,13 +303,27 @@ class DataParallel:
         self._average_device_buckets(present)
         return True
 
-    def _wait_for_queued_gathers(self) -> None:
-        """Before a training-thread collective (Collectives.before_training): the first one after
-        copy-backs were queued waits until the worker has issued every one of them (it runs jobs
-        in order; no other job issues a collective). So every rank issues step t's all-gathers,
-        then step t+1's reduce-scatters, whatever the threads' timing: two communicators' NCCL
-        kernels never interleave differently across ranks. Usually free: the forward in between
-        waited for each bucket it reads (not for a bucket whose layers it skipped)."""
+    def wait_for_queued_gathers(self) -> None:
+        """Returns once the host worker has issued (not completed: NCCL runs them on the h2d
+        stream) every all-gather queued since the last call: step()'s copy-backs. The engine calls
+        it at the end of step(), and before a training-thread collective of its own
+        (Collectives.before_training) after refresh_device_params().
+
+        The hazard: NCCL needs the collectives of different communicators issued in one order on
+        every rank, or kernels of two communicators wait for each other (a hang). Code the engine
+        does not own issues collectives on other groups between steps: the Trainer gathers the
+        token count on the default group at the start of every step (accelerator.gather,
+        `average_tokens_across_devices`, on by default), logs, saves and meets at barriers;
+        sequence parallelism's all-to-alls run in the forward. Were step() to return with
+        all-gathers still queued, such a collective would come before them on one rank and after
+        them on another, as the threads' timing falls. Returning from step() only after they are
+        issued confines the worker's collectives to the inside of step(), whatever the caller
+        issues, on any group, by any means (torch.distributed's functions, functional
+        collectives, another library's own calls): no wrapper of torch.distributed could see them
+        all. The cost: the next forward no longer overlaps the worker's host work queued at
+        step() (the Adam step of a bucket launched at step(), the replay of rolled-back buckets)
+        beyond its first bucket. A step whose speculative steps all commit queues only copy-backs,
+        which the worker issues back to back (on NCCL without waiting for them to complete)."""
         if not self._gathers_queued:
             return
         self._gathers_queued = False
