@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,29 @@ TRAIN_ARGS = ["--max_steps", "6", "--per_device_train_batch_size", "4", "--loggi
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-def env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(EXAMPLES), os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1")
+RECORDER = SCRIPTS / "record_collectives"  # its sitecustomize records each rank's collectives
+
+
+def env(record: Path | None = None) -> dict:
+    """`record`: where each rank of the launch writes the collectives it issued (`check_order`)."""
+    paths = [*([str(RECORDER)] if record else []), str(REPO), str(EXAMPLES), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1",
+                **({"SUPEROFFLOAD_RECORD_COLLECTIVES": str(record)} if record else {}))
+
+
+def check_order(record: Path, processes: int) -> None:
+    """Every rank's collectives, per communicator and across communicators, in one order
+    (superoffload_hf.testing.collective_order: what NCCL needs and gloo does not enforce)."""
+    import pickle
+
+    from superoffload_hf.testing.collective_order import compare
+
+    files = [record / f"rank{r}.pkl" for r in range(processes)]
+    assert all(f.exists() for f in files), f"ranks without a record of their collectives: {files}"
+    records = [pickle.loads(f.read_bytes()) for f in files]
+    assert all(records), f"a rank recorded no collective: {[len(r) for r in records]}"
+    problem = compare(records)
+    assert problem is None, f"the ranks' collectives: {problem}"
 
 
 def accelerate_config(tmp_path: Path, processes: int, superoffload: bool, block: dict = BLOCK) -> Path:
@@ -54,10 +75,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run(cmd: list, cwd: Path, timeout_s: float = 240) -> str:
+def run(cmd: list, cwd: Path, timeout_s: float = 240, processes: int = 1) -> str:
     """Run a launch; its stderr. A launch still running after `timeout_s` (a hang: ranks waiting
-    for a collective) is killed with all its processes (its own session) and fails the test."""
-    process = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    for a collective) is killed with all its processes (its own session) and fails the test. With
+    several `processes`, their collectives' order is compared (`check_order`)."""
+    record = Path(tempfile.mkdtemp(prefix="collectives-", dir=cwd)) if processes > 1 else None
+    process = subprocess.Popen(cmd, cwd=cwd, env=env(record), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
@@ -77,6 +100,8 @@ def run(cmd: list, cwd: Path, timeout_s: float = 240) -> str:
         # comparison reads that file; the callers check its steps.
         return stderr
     assert process.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    if record is not None:
+        check_order(record, processes)
     return stderr
 
 
@@ -88,7 +113,7 @@ def launch(tmp_path: Path, processes: int, superoffload: bool, output: Path, *ex
                 else [sys.executable, "-m", "accelerate.commands.launch"])
     port = ["--main_process_port", str(free_port())]
     stderr = run([*launcher, "--config_file", str(config), *(port if processes > 1 else []), str(script),
-                  "--output_dir", str(output), *(train_args or TRAIN_ARGS), *extra], tmp_path, timeout_s)
+                  "--output_dir", str(output), *(train_args or TRAIN_ARGS), *extra], tmp_path, timeout_s, processes)
     (output / "launch.stderr").write_text(stderr)
     return losses(output)
 
@@ -147,7 +172,7 @@ def test_torchrun_with_our_trainer(two_process_runs, tmp_path):
     port = str(free_port())
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
          str(OUR_SCRIPT), "--superoffload_config", json.dumps(BLOCK), "--output_dir", str(tmp_path / "out"),
-         *TRAIN_ARGS, *SAVE], tmp_path)
+         *TRAIN_ARGS, *SAVE], tmp_path, processes=2)
     assert_same_curve(losses(tmp_path / "out"), two_process_runs[False]["curve"])
 
 

@@ -38,7 +38,10 @@ collective is issued holding `issue_lock`, and a training-thread collective firs
 `before_training` (engine/dp.py: the first one of a step waits until the worker has issued every
 all-gather the last step queued). So the order on every rank is: step t's reduce-scatters, control
 and norm collectives (training thread), then its all-gathers (worker, job order), then step t+1's;
-never an interleaving that depends on thread timing.
+never an interleaving that depends on thread timing. Collectives this module does not issue (the
+Trainer's token count on the default group every step, accelerate's barriers, user code) cannot
+take the lock: step() returns only once the worker has issued the step's all-gathers
+(DataParallel.wait_for_queued_gathers), so they come after them on every rank.
 
 Communicators are created eagerly: `create` (the training thread, inside the optimizer's
 constructor) creates every group in one order on every rank and issues one warm-up collective on
