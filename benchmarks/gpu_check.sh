@@ -181,7 +181,8 @@ if selected sanitizer; then
   done
   cat >> "$summary_md" <<EOF
   - the sanitizer ran on: $([ "$REHEARSE" = 0 ] && echo "${SANITIZED_TESTS[*]} and ")the features ${SANITIZED_FEATURES[*]} without their CPU references$([ "$REHEARSE" = 1 ] && echo " (rehearsal: without it, it needs CUDA; on CUDA also four tests of tests/test_gpu.py)").
-    It took ${TOOK[sanitizer]:-?}s of its ${LIMIT_S[sanitizer]:-?}s limit (cap ${CAP[sanitizer]}s; the plain stages, each with its CPU reference: ${plain:-not run}).
+    It took ${TOOK[sanitizer]:-?}s of its ${LIMIT_S[sanitizer]:-?}s limit (cap ${CAP[sanitizer]}s; the plain stages, which run every GPU test and each feature with its CPU
+    reference: ${plain:-not run}).
     It checks the CUDA ops dispatched through torch on the training thread, on autograd's device
     thread (torch hands it the caller's modes) and on the engine's worker thread (which enters
     its dispatch mode, device/accelerator.py), and every event record, wait and synchronisation,
