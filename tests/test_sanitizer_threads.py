@@ -6,6 +6,8 @@ CUDA runtime fires them) on the CPU, with a schedule that interleaves the two th
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -128,3 +130,22 @@ def test_a_disabled_sanitizer_is_left_alone(sanitizer):
     import torch.cuda._gpu_trace as gpu_trace
 
     assert gpu_trace.EventRecordCallbacks.callback_list == [handler._handle_event_record]
+
+
+def test_looking_for_the_sanitizer_leaves_it_unimported_so_torchs_gpu_trace_stays_off():
+    """Importing torch.cuda._sanitizer turns on torch's gpu trace for the process (every CUDA
+    allocation, free and event then calls into its Python handler): a worker entering the device
+    without TORCH_CUDA_SANITIZER must not import it."""
+    code = ("import sys, threading\n"
+            "import superoffload_hf.device.accelerator as accelerator\n"
+            "def worker():\n"
+            "    with accelerator._sanitizer_in_this_thread():\n"
+            "        pass\n"
+            "thread = threading.Thread(target=worker)\n"
+            "thread.start()\n"
+            "thread.join()\n"
+            "print('torch.cuda._sanitizer' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_SANITIZER"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

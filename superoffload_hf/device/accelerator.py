@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from typing import Iterator, Optional
 
@@ -30,12 +31,13 @@ def _accelerator_api(name: str, *fallbacks: str):
 
 
 def _sanitizer():
-    """torch's CUDA stream sanitizer where TORCH_CUDA_SANITIZER enabled it, else None."""
-    try:
-        from torch.cuda._sanitizer import cuda_sanitizer
-    except Exception:  # not a CUDA build, or a torch without the sanitizer
-        return None
-    return cuda_sanitizer if getattr(cuda_sanitizer, "enabled", False) else None
+    """torch's CUDA stream sanitizer where TORCH_CUDA_SANITIZER (or enable_cuda_sanitizer())
+    enabled it, else None. Hazard: importing torch.cuda._sanitizer turns on torch's gpu trace for
+    the whole process (every allocation, free and event then calls into its Python handler), so
+    it is only looked up where torch (or the user) already imported it."""
+    module = sys.modules.get("torch.cuda._sanitizer")
+    sanitizer = getattr(module, "cuda_sanitizer", None)
+    return sanitizer if getattr(sanitizer, "enabled", False) else None
 
 
 # Every entry into the sanitizer's event handler holds this lock (serialize_sanitizer).
