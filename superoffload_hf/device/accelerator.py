@@ -60,7 +60,9 @@ def serialize_sanitizer(sanitizer) -> None:
     view of the others, each pointer's last write and reads since) that it updates in several
     steps without a lock; the gpu_trace callbacks fire in whichever thread issues the call, and
     the training thread, the host worker and autograd's device thread all issue: an update
-    interleaved with another thread's goes astray (a false race, or a missed one)."""
+    interleaved with another thread's goes astray (a false race, or a missed one). The lock
+    covers the record, not the kernel's launch before it: held across a launch that blocks (a
+    synchronous copy, a collective waiting for a peer), it would stall or deadlock the others."""
     import torch.cuda._gpu_trace as gpu_trace
     from torch._utils import CallbackRegistry
 
