@@ -12,6 +12,7 @@ START=$SECONDS
 status=0
 STAGES_JSON=()
 PROBLEMS=()  # "stage: what", for the verdict: each failed stage and each missed target
+declare -A TOOK=() LIMIT_S=()  # each stage that ran: the seconds it took, and its limit
 summary_md="$OUT_DIR/summary.md"
 summary_json="$OUT_DIR/summary.json"
 ARCHIVE=evidence.tar.gz
@@ -84,6 +85,7 @@ stage() {
     verdict="failed"; status=1; PROBLEMS+=("$name: failed (exit $rc)${fails:+: $fails}")
   fi
   local took=$((SECONDS - t0))
+  TOOK[$name]=$took LIMIT_S[$name]=$limit
   echo "- $name: $verdict (exit $rc) in ${took}s of ${limit}s (log: $name.log)" | tee -a "$summary_md"
   if [ -n "$fails" ]; then sed 's/^/  - /' <<< "$fails" >> "$summary_md"; fi
   STAGES_JSON+=("{\"stage\": \"$name\", \"status\": \"$verdict\", \"rc\": $rc, \"seconds\": $took, \"limit_s\": $limit, \"log\": \"$name.log\", \"fails\": $(json_str "$fails"), \"command\": $(json_str "$*")}")

@@ -24,8 +24,11 @@
 #                        long sequence, compact state, the Trainer with bf16 and gradient
 #                        checkpointing; each against its CPU reference, with tokens/s, device idle
 #                        and peak memory against the dry run's figures
-#   sanitizer            the GPU tests and the flow and activation_offload features under the CUDA
-#                        stream sanitizer (TORCH_CUDA_SANITIZER=1); the summary says what it covers
+#   sanitizer            four GPU tests of the engine's streams and the flow and activation_offload
+#                        features' device runs (no CPU reference: the plain stages compare) under
+#                        the CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1), every entry into its
+#                        handler serialized (device/accelerator.py); the summary says what it covers
+#                        and what it took against the plain stages
 #   host_adam            benchmarks/adam.py at 32M elements (one size, 3 repetitions): the host
 #                        Adam rate on every core against its targets (a miss: "missed target")
 #   link                 superoffload probe: copy bandwidth host->device and device->host, and
@@ -56,8 +59,9 @@ if [ "${1:-}" = "--plan" ]; then PLAN_ONLY=1; shift; fi
 # The plan, in order of value: each stage's cap in seconds on the GPU machine (a cold kernel build
 # in env; ten GPU tests; the ~1B Llama in four modes, each building its optimizer and pinning
 # ~16 GB; each feature a few steps of a model of 0.1-0.5B parameters and its CPU reference; the
-# sanitizer, which runs every op through Python, on the GPU tests and two features: a first guess
-# with room, its real cost is in the summary; one 32M-element Adam size (and the roofline's
+# sanitizer, which runs every op through Python and captures its stack: a first guess with room
+# (four of the ten GPU tests and two features' device runs, without the CPU references that fill
+# the plain stages' caps), its real cost is in the summary; one 32M-element Adam size (and the roofline's
 # build); the link probe, 1 GiB pinned by each method).
 STAGE_ORDER=(env gpu_tests train_llama flow activation_offload tiling compact trainer sanitizer host_adam link)
 declare -A CAP=([env]=55 [gpu_tests]=50 [train_llama]=100 [flow]=30 [activation_offload]=25 [tiling]=20 [compact]=20
@@ -114,7 +118,7 @@ if [ "$REHEARSE" = 1 ]; then
   LLAMA=(--tiny --steps 2 --warmup 1)
   FEATURE=(--rehearse)
   SANITIZED_FEATURES=(activation_offload)  # (the rehearsal has no sanitizer: one feature checks the command;
-                                           # the tests it also runs on CUDA ran in gpu_tests)
+  SANITIZED_TESTS=()                       # the tests it also runs on CUDA ran in gpu_tests)
   ADAM=(--sizes 1M --reps 2 --warmup 1 --threads 2 --no-targets --only grad)  # grad: no roofline build
   PROBE=(--device cpu --quick)
 else
@@ -125,6 +129,8 @@ else
   ADAM=(--sizes 32M --reps 3 --warmup 1 --threads "$(nproc)" --only adam)
   FEATURE=()
   SANITIZED_FEATURES=(flow activation_offload)
+  # the engine's side streams, pinned copies, worker copy-backs, rollback and the steady step
+  SANITIZED_TESTS=(tests/test_gpu.py -k "side_streams or next_forward or snapshot_rollback or synchronizes")
   PROBE=()
 fi
 
@@ -143,6 +149,7 @@ if { selected gpu_tests || selected sanitizer; } && $PY -c "import pytest" 2>/de
 else
   PYTEST=($PY)
   TESTS=(tests/test_gpu.py)
+  if [ "$REHEARSE" = 0 ]; then SANITIZED_TESTS=(tests/test_gpu.py); fi  # its small runner takes no -k
   stage gpu_tests "${CAP[gpu_tests]}" $PY tests/test_gpu.py
 fi
 if [ -f "$WORK_DIR/gpu_tests.log" ]; then
@@ -158,24 +165,36 @@ for feature in flow activation_offload tiling compact trainer; do
   if [ -f "$WORK_DIR/features/$feature.md" ]; then sed 's/^- /  - /' "$WORK_DIR/features/$feature.md" >> "$summary_md"; fi
 done
 
-# the engine enters the sanitizer in its worker thread too (device/accelerator.py)
+# the engine enters the sanitizer in its worker thread too, every entry into its handler under one
+# lock (device/accelerator.py serialize_sanitizer)
 SANITIZED=""
-if [ "$REHEARSE" = 0 ]; then SANITIZED="${PYTEST[*]} ${TESTS[*]} && "; fi
+if [ "${#SANITIZED_TESTS[@]}" -gt 0 ]; then SANITIZED="${PYTEST[*]} ${SANITIZED_TESTS[*]@Q} && "; fi
 for feature in "${SANITIZED_FEATURES[@]}"; do
-  SANITIZED+="$PY benchmarks/gpu_features.py $feature ${FEATURE[*]} --out $WORK_DIR/sanitizer && "
+  SANITIZED+="$PY benchmarks/gpu_features.py $feature ${FEATURE[*]} --no-reference --out $WORK_DIR/sanitizer && "
 done
 SANITIZED+="true"
 stage sanitizer "${CAP[sanitizer]}" "${SANITIZER[@]}" bash -c "$SANITIZED"
 if selected sanitizer; then
+  plain=""
+  for name in gpu_tests "${SANITIZED_FEATURES[@]}"; do
+    if [ -n "${TOOK[$name]:-}" ]; then plain+="${plain:+, }$name ${TOOK[$name]}s"; fi
+  done
   cat >> "$summary_md" <<EOF
-  - the sanitizer ran on: $([ "$REHEARSE" = 0 ] && echo "${TESTS[*]} and ")the features ${SANITIZED_FEATURES[*]}$([ "$REHEARSE" = 1 ] && echo " (rehearsal: without it, it needs CUDA; on CUDA also ${TESTS[*]})").
-    It checks the CUDA ops dispatched through torch on the main thread and on the engine's worker
-    thread (which enters its dispatch mode, device/accelerator.py): kernels, copies, event records and
-    waits, stream synchronisations. It does not see the GraceAdam pool (host memory only) or memory
-    the caching allocator hands from one stream to another; and its event handler is not
-    thread-safe, so the two threads' accesses may interleave in its trace: a report is a lead to
-    check, a clean run is not a proof. The simulated device (testing/sim.py) checks the same orders
-    in every CPU test. Its cost: this stage's time against gpu_tests' and the two features' above.
+  - the sanitizer ran on: $([ "$REHEARSE" = 0 ] && echo "${SANITIZED_TESTS[*]} and ")the features ${SANITIZED_FEATURES[*]} without their CPU references$([ "$REHEARSE" = 1 ] && echo " (rehearsal: without it, it needs CUDA; on CUDA also four tests of tests/test_gpu.py)").
+    It took ${TOOK[sanitizer]:-?}s of its ${LIMIT_S[sanitizer]:-?}s limit (cap ${CAP[sanitizer]}s; the plain stages, which run every GPU test and each feature with its CPU
+    reference: ${plain:-not run}).
+    It checks the CUDA ops dispatched through torch on the training thread, on autograd's device
+    thread (torch hands it the caller's modes) and on the engine's worker thread (which enters
+    its dispatch mode, device/accelerator.py), and every event record, wait and synchronisation,
+    stream creation, allocation and free of any thread: every entry into its handler holds one lock,
+    so the threads feed it one consistent state (tests/test_sanitizer_threads.py). It does not see:
+    two threads acting on one stream or buffer with no host hand-off between them (a kernel is
+    queued before the handler records it, so such work may be recorded in either order; the engine
+    hands every buffer between threads through the host: its job queue and waited events); host
+    memory (pinned buffers are not CUDA tensors: a host write while a copy reads one is the
+    simulator's check); record_stream (skipped) and the caching allocator's reuse across streams;
+    the GraceAdam kernel and anything not dispatched through torch. A report is a race to fix; a
+    clean run covers the paths these tests and features took.
 EOF
 fi
 

@@ -25,8 +25,10 @@ element after the last step, and every loss), tokens/s, the device's idle time p
 footprint (engine/memory.py; activations not in it). With --rehearse (tiny sizes, the CPU as the
 device, the simulated asynchronous device when SUPEROFFLOAD_SIM_DEVICE=1) the comparison is
 bitwise except for tiling (the chunks change the summation order: rtol 1e-5, atol 1e-5); on
-CUDA it is within a tolerance (the device's kernels are not the CPU's). Writes FEATURE.json and
-FEATURE.md to --out; exits 1, printing FAIL lines, when a comparison or a check fails.
+CUDA it is within a tolerance (the device's kernels are not the CPU's). --no-reference runs the
+device run alone (under the CUDA stream sanitizer: its stage checks the streams, the plain stage
+the numbers). Writes FEATURE.json and FEATURE.md to --out; exits 1, printing FAIL lines, when a
+comparison or a check fails.
 """
 
 from __future__ import annotations
@@ -111,6 +113,17 @@ def on_cpu_device():
     finally:
         if saved is not None:
             os.environ[SIM_ENV_VAR] = saved
+
+
+REFERENCE = True  # False (--no-reference): the CPU reference is not run
+
+
+def reference(run_it) -> Run | None:
+    """The CPU reference: `run_it()` on the plain CPU device (None under --no-reference)."""
+    if not REFERENCE:
+        return None
+    with on_cpu_device():
+        return run_it()
 
 
 def sync(device: str) -> None:
@@ -199,12 +212,16 @@ def device_budget(budget_bytes: int, device: str):
 def flow(shape: Shape, device: str, rehearse: bool) -> tuple[Run, Run]:
     config = {"device_dtype": "fp32", "speculation": "on", "bucket_mb": 0.01 if rehearse else 16}
     bucket_mb = config.pop("bucket_mb")
-    with on_cpu_device():
+
+    def stationary_on_cpu() -> Run:
         want = Run()
         model = build_model(shape, "cpu")
         with optimizer(model, {**config, "weights": "stationary"}, bucket_mb=bucket_mb, model=model) as opt:
             train(model, opt, shape, "cpu", want)
         want.params = read(model)
+        return want
+
+    want = reference(stationary_on_cpu)
     weight_bytes = sum(p.numel() * 4 for p in build_model(shape, "meta").parameters())
     # a quarter of the weights (as tests/test_weight_flow.py); on CUDA, whose allocator cap counts
     # the activations and logits too, half of them plus 256 MiB: still less than the weights
@@ -231,8 +248,7 @@ def activation_offload(shape: Shape, device: str, rehearse: bool) -> tuple[Run, 
     from superoffload_hf.parallel.activation_offload import apply_activation_offload
 
     config = {"device_dtype": "fp32", "speculation": "on"}
-    with on_cpu_device():
-        want = engine_run(shape, "cpu", config, checkpointing=True)
+    want = reference(lambda: engine_run(shape, "cpu", config, checkpointing=True))
 
     def offload(model, run):
         hooks = apply_activation_offload(model, make_runtime(torch.device(device)))
@@ -253,8 +269,7 @@ def tiling(shape: Shape, device: str, rehearse: bool) -> tuple[Run, Run]:
     from superoffload_hf.parallel.tiled_mlp import apply_tiled_mlp
 
     config = {"device_dtype": "fp32", "speculation": "on"}
-    with on_cpu_device():
-        want = engine_run(shape, "cpu", config)
+    want = reference(lambda: engine_run(shape, "cpu", config))
     chunk_loss, chunk_mlp = (7, 5) if rehearse else (1024, 2048)
 
     def tile(model, run):
@@ -266,14 +281,12 @@ def tiling(shape: Shape, device: str, rehearse: bool) -> tuple[Run, Run]:
 
 def compact(shape: Shape, device: str, rehearse: bool) -> tuple[Run, Run]:
     config = {"device_dtype": "bf16", "state_precision": "compact", "speculation": "on"}
-    with on_cpu_device():
-        want = engine_run(shape, "cpu", config)
+    want = reference(lambda: engine_run(shape, "cpu", config))
     return engine_run(shape, device, config), want
 
 
 def trainer(shape: Shape, device: str, rehearse: bool) -> tuple[Run, Run]:
-    with on_cpu_device():
-        want = trainer_run(shape, "cpu")
+    want = reference(lambda: trainer_run(shape, "cpu"))
     return trainer_run(shape, device), want
 
 
@@ -351,19 +364,20 @@ def compare(got: Run, want: Run, rtol: float, atol: float) -> tuple[float, list[
     return worst, problems
 
 
-def report(feature: str, shape: Shape, device: str, got: Run, want: Run, rtol: float, atol: float) -> dict:
-    worst, problems = compare(got, want, rtol, atol)
-    problems += [n[len("FAIL: "):] for n in got.notes + want.notes if n.startswith("FAIL: ")]
+def report(feature: str, shape: Shape, device: str, got: Run, want: Run | None, rtol: float, atol: float) -> dict:
+    """`want` None (--no-reference): nothing compared; the run's own checks still count."""
+    worst, problems = compare(got, want, rtol, atol) if want is not None else (math.nan, [])
+    problems += [n[len("FAIL: "):] for n in got.notes + (want.notes if want is not None else []) if n.startswith("FAIL: ")]
     if not got.host_adam.startswith("host Adam cpp/"):
         problems.append(f"the host Adam that ran is not GraceAdam: {got.host_adam}")
     step_s = sorted(got.seconds)[len(got.seconds) // 2] if got.seconds else math.nan
     return {"feature": feature, "device": device, "shape": vars(shape), "steps_ran": len(got.losses),
-            "reference_steps_ran": len(want.losses), "passed": not problems, "problems": problems,
+            "reference_steps_ran": len(want.losses) if want is not None else None, "passed": not problems, "problems": problems,
             "max_abs_diff": worst, "rtol": rtol, "atol": atol,
             "tokens_per_second": shape.batch * shape.seq / step_s if step_s else math.nan,
             "device_idle_seconds_per_step": sum(got.device_waits) / max(len(got.device_waits), 1),
             "peak_device_bytes": got.peak_device_bytes, "predicted_device_bytes": got.predicted_device_bytes,
-            "host_adam": got.host_adam, "losses": got.losses, "reference_losses": want.losses,
+            "host_adam": got.host_adam, "losses": got.losses, "reference_losses": want.losses if want is not None else None,
             "notes": [n for n in got.notes if not n.startswith("FAIL: ")]}
 
 
@@ -372,8 +386,9 @@ def markdown(r: dict) -> str:
     verdict = "PASSED" if r["passed"] else "FAILED: " + "; ".join(r["problems"])
     return (f"- {r['feature']}: {r['steps_ran']} steps ran on {r['device']} "
             f"(seq {r['shape']['seq']} x batch {r['shape']['batch']}, {r['shape']['layers']} layers), "
-            f"max |diff| from the CPU reference {r['max_abs_diff']:.3g} (rtol {r['rtol']:g}, atol {r['atol']:g}); "
-            f"{r['tokens_per_second']:.0f} tokens/s, device idle {r['device_idle_seconds_per_step']:.4f} s/step, "
+            + (f"max |diff| from the CPU reference {r['max_abs_diff']:.3g} (rtol {r['rtol']:g}, atol {r['atol']:g}); "
+               if r["reference_steps_ran"] is not None else "not compared (no reference run: the plain stage compares); ")
+            + f"{r['tokens_per_second']:.0f} tokens/s, device idle {r['device_idle_seconds_per_step']:.4f} s/step, "
             f"peak device {peak} MiB (dry run's state {r['predicted_device_bytes'] / 2**20:.1f} MiB); "
             f"{'; '.join(r['notes']) + '; ' if r['notes'] else ''}{r['host_adam']}: {verdict}")
 
@@ -390,7 +405,12 @@ def main(argv=None) -> int:
     p.add_argument("feature", choices=FEATURES)
     p.add_argument("--out", required=True, help="folder for FEATURE.json and FEATURE.md")
     p.add_argument("--rehearse", action="store_true", help="tiny sizes, the CPU as the device")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the CPU reference (under the sanitizer: its stage checks the device run's streams; "
+                        "the plain stage compares the numbers)")
     args = p.parse_args(argv)
+    global REFERENCE
+    REFERENCE = not args.no_reference
     device = "cpu" if args.rehearse else "cuda"
     if args.rehearse:
         torch.set_num_threads(1)  # the model and the host Adam pool share the cores

@@ -35,11 +35,12 @@ def _checkpointed(num_layers: int = 4, reentrant: bool = False):
     return model
 
 
-def _train(model, opt, steps: int = STEPS) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def _train(model, opt, steps: int = STEPS, call=None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """`call`: what the batches go through (a compiled model), `model` by default."""
     losses = []
     for step in range(steps):
         (batch,) = micro_batches(step)
-        loss = model(**batch).loss
+        loss = (model if call is None else call)(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -47,14 +48,17 @@ def _train(model, opt, steps: int = STEPS) -> tuple[list[torch.Tensor], dict[str
     return losses, {name: p.detach().clone() for name, p in read_params(model).items()}
 
 
-def _stock(offload_runtime=None, num_layers: int = 4, omitted=(), steps: int = STEPS, reentrant: bool = False):
-    """Stock AdamW; with `offload_runtime`, the block inputs offloaded over it."""
+def _stock(offload_runtime=None, num_layers: int = 4, omitted=(), steps: int = STEPS, reentrant: bool = False,
+           backend=None):
+    """Stock AdamW; with `offload_runtime`, the block inputs offloaded over it; with `backend`, the
+    model called through torch.compile with that backend."""
     model = _checkpointed(num_layers, reentrant)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     if offload_runtime is None:
         return _train(model, opt, steps)
     with apply_activation_offload(model, offload_runtime, omitted=omitted) as offload:
-        got = _train(model, opt, steps)
+        call = torch.compile(model, backend=backend) if backend is not None else None
+        got = _train(model, opt, steps, call)
         assert offload.bytes_offloaded == offload.bytes_fetched == steps * (num_layers - 1) * INPUT_BYTES
     return got
 
@@ -127,6 +131,34 @@ def test_offload_with_the_engine_on_the_simulated_device_matches_the_cpu_bitwise
     got = _engine(True, weights)
     assert not sim.errors, sim.errors
     _assert_same(got, want, f"simulated device, the engine, weights {weights}")
+
+
+@pytest.mark.slow  # (Dynamo's tracing: seconds a case; each backend on one device)
+@pytest.mark.parametrize("device, backend", [("cpu", "eager"), pytest.param("sim", "aot_eager", marks=pytest.mark.sim)])
+def test_a_compiled_model_with_offload_trains_bitwise_like_the_uncompiled_one_without(device, backend, request,
+                                                                                      monkeypatch):
+    """torch.compile with the eager backend (Dynamo's graphs) and aot_eager (AOTAutograd's too, which
+    choose what the backward saves): every block input but the last still goes to the host and comes
+    back (_stock counts them), and the numbers do not change."""
+    from torch._dynamo.utils import counters
+
+    if device == "sim":
+        runtime = request.getfixturevalue("sim")
+    else:
+        monkeypatch.delenv(SIM_ENV_VAR, raising=False)
+        runtime = CpuRuntime()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(SIM_ENV_VAR, raising=False)
+        want = _stock(num_layers=2, steps=2)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        got = _stock(runtime, num_layers=2, steps=2, backend=backend)
+        assert counters["stats"]["unique_graphs"] > 0  # Dynamo compiled graphs: the model did not just run eagerly
+    finally:
+        torch._dynamo.reset()
+    assert not getattr(runtime, "errors", []), runtime.errors
+    _assert_same(got, want, f"{device}, torch.compile backend {backend}")
 
 
 @pytest.mark.sim

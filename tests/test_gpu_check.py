@@ -147,8 +147,16 @@ def test_the_rehearsal_runs_every_stage_brings_back_every_result_and_fails_on_a_
         assert len(result["losses"]) == 3 and result["host_adam"].startswith("host Adam cpp/")
         assert re.search(rf"  - {feature}: 3 steps ran on cpu \(simulated\) .* max \|diff\| from the CPU reference "
                          r".*tokens/s, device idle .* peak device .* \(dry run's state .*: PASSED", summary_md), feature
-    assert json.loads((evidence / "sanitizer" / "activation_offload.json").read_text())["passed"]
-    assert "the sanitizer ran on: the features activation_offload (rehearsal" in summary_md
+    sanitized = json.loads((evidence / "sanitizer" / "activation_offload.json").read_text())
+    assert sanitized["passed"] and sanitized["steps_ran"] == 3 and sanitized["reference_steps_ran"] is None
+    assert "the sanitizer ran on: the features activation_offload without their CPU references (rehearsal" in summary_md
+    # what the sanitizer stage took, against its cap and the plain stages of the same work
+    took = re.search(r"It took (\d+)s of its (\d+)s limit \(cap \d+s; the plain stages, which run every GPU test "
+                     r"and each feature with its CPU\n    reference: gpu_tests (\d+)s, activation_offload (\d+)s\)", summary_md)
+    stage_s = {s["stage"]: (s["seconds"], s["limit_s"]) for s in summary["stages"]}
+    assert took and (int(took[1]), int(took[2])) == stage_s["sanitizer"], summary_md
+    assert (int(took[3]), int(took[4])) == (stage_s["gpu_tests"][0], stage_s["activation_offload"][0])
+    assert "every entry into its handler holds one lock" in summary_md and "It does not see:" in summary_md
     assert "passed" in (evidence / "gpu_tests.log").read_text()
     assert (evidence / "gpu_tests.xml").is_file()
     assert json.loads((evidence / "link.json").read_text())

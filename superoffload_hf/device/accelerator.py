@@ -14,6 +14,8 @@ Hazards of the generic API handled here, once:
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import threading
 from typing import Iterator, Optional
 
@@ -28,16 +30,71 @@ def _accelerator_api(name: str, *fallbacks: str):
     raise RuntimeError(f"torch {torch.__version__} has no torch.accelerator.{name}; SuperOffload needs torch >= 2.6.")
 
 
+def _sanitizer():
+    """torch's CUDA stream sanitizer where TORCH_CUDA_SANITIZER (or enable_cuda_sanitizer())
+    enabled it, else None. Hazard: importing torch.cuda._sanitizer turns on torch's gpu trace for
+    the whole process (every allocation, free and event then calls into its Python handler), so
+    it is only looked up where torch (or the user) already imported it."""
+    module = sys.modules.get("torch.cuda._sanitizer")
+    sanitizer = getattr(module, "cuda_sanitizer", None)
+    return sanitizer if getattr(sanitizer, "enabled", False) else None
+
+
+# Every entry into the sanitizer's event handler holds this lock (serialize_sanitizer).
+_SANITIZER_LOCK = threading.RLock()
+
+
+def _serialized(handle):
+    @functools.wraps(handle)
+    def serialized(*args, **kwargs):
+        with _SANITIZER_LOCK:
+            return handle(*args, **kwargs)
+    return serialized
+
+
+def serialize_sanitizer(sanitizer) -> None:
+    """Make every entry into `sanitizer`'s event handler (torch.cuda._sanitizer: the dispatch
+    mode's kernel launches, and the gpu_trace callbacks of event creation, record, wait and
+    synchronisation, stream creation and synchronisation, allocation and free) hold one lock,
+    once. Hazard: the handler keeps one state (a sequence number, each stream's and event's
+    view of the others, each pointer's last write and reads since) that it updates in several
+    steps without a lock; the gpu_trace callbacks fire in whichever thread issues the call, and
+    the training thread, the host worker and autograd's device thread all issue: an update
+    interleaved with another thread's goes astray (a false race, or a missed one). The lock
+    covers the record, not the kernel's launch before it: held across a launch that blocks (a
+    synchronous copy, a collective waiting for a peer), it would stall or deadlock the others."""
+    import torch.cuda._gpu_trace as gpu_trace
+    from torch._utils import CallbackRegistry
+
+    handler = sanitizer.dispatch.event_handler
+    with _SANITIZER_LOCK:
+        if getattr(handler, "_superoffload_serialized", False):
+            return
+        registries = [r for r in vars(gpu_trace).values() if isinstance(r, CallbackRegistry)]
+        if not registries or not all(isinstance(getattr(r, "callback_list", None), list) for r in registries):
+            raise RuntimeError(
+                f"torch {torch.__version__}'s CUDA stream sanitizer (torch.cuda._gpu_trace) has no callback lists "
+                "this package can serialize, and its event handler is not thread-safe: the engine's host worker "
+                "would feed it concurrently with the training thread. Unset TORCH_CUDA_SANITIZER, or use a torch "
+                "whose gpu_trace registries keep a `callback_list` (as 2.13's do).")
+        for registry in registries:
+            registry.callback_list[:] = [
+                _serialized(cb) if getattr(cb, "__self__", None) is handler else cb for cb in registry.callback_list]
+        handler._handle_kernel_launch = _serialized(handler._handle_kernel_launch)
+        handler._superoffload_serialized = True
+
+
 def _sanitizer_in_this_thread():
     """TORCH_CUDA_SANITIZER=1 enables the CUDA stream sanitizer through a dispatch mode, which is
-    thread-local: enter it in the worker thread too, so its copies and event waits are checked."""
-    try:
-        from torch.cuda._sanitizer import cuda_sanitizer
-    except Exception:  # not a CUDA build, or a torch without the sanitizer
+    thread-local: enter it in the worker thread too, so its copies and event waits are checked,
+    with every entry into its handler serialized (serialize_sanitizer)."""
+    sanitizer = _sanitizer()
+    if sanitizer is None:
         return contextlib.nullcontext()
-    if not getattr(cuda_sanitizer, "enabled", False) or threading.current_thread() is threading.main_thread():
+    serialize_sanitizer(sanitizer)
+    if threading.current_thread() is threading.main_thread():
         return contextlib.nullcontext()
-    return cuda_sanitizer.dispatch
+    return sanitizer.dispatch
 
 
 # torch's allocator settings keys that choose how new host blocks are page-locked
