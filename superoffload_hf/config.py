@@ -120,7 +120,7 @@ class SuperOffloadConfig:
     device memory together with the weights and the engine's buffers. 0: not counted (the
     simulated device does not count activations either). `superoffload train` (and its
     `--dry-run`, which prints the device peak with and without flow) sets it from the activation
-    estimate (perf/activation_memory.py) at the recipe's batch, sequence length and
+    estimate (plan/activations.py) at the recipe's batch, sequence length and
     checkpointing, where `weights` is "auto" or "flow" on an accelerator and the recipe does not
     set it; the Trainer (`TrainingArguments(superoffload=True)`, `superoffload launch`) likewise,
     at `per_device_train_batch_size` x the longest `input_ids` among the train dataset's first 64
@@ -144,7 +144,7 @@ class SuperOffloadConfig:
     logit at their peak) never exist (superoffload_hf/parallel/tiled_loss.py; exact to rounding;
     costs one more head matmul in backward). The model's output then has no `logits`. "on",
     "off", or "auto": on when what it saves (the logits' part of the activation estimate,
-    perf/activation_memory.py) exceeds 1/8 of the free device memory at the first training
+    plan/activations.py) exceeds 1/8 of the free device memory at the first training
     forward with labels; never on the CPU device; a model it cannot wrap is left alone. Applied
     by the Trainer integration (parallel/tiling.py); plain loops call
     `superoffload_hf.parallel.tiled_loss.apply_tiled_loss(model)`."""

@@ -180,7 +180,7 @@ def _steps(model, opt, steps: int) -> None:
 def test_the_engine_takes_the_depth_the_measured_link_and_forward_call_for_and_trains_alike_at_it():
     """(engine/core.py _choose_prefetch_depth, which an accelerator's first step runs, called here
     with a made-up measurement: a link far slower than the forward)"""
-    from superoffload_hf.perf.cost_model import Bandwidth, Machine, Workload
+    from superoffload_hf.plan.cost_model import Bandwidth, Machine, Workload
 
     def make(weights):
         model = tiny_llama(num_layers=4)

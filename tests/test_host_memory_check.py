@@ -19,7 +19,8 @@ from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.engine import host_limit
 from superoffload_hf.engine.host_limit import HostMemoryError, cgroup_left, host_memory_left, replan_transient
-from superoffload_hf.engine.memory import BufferPolicy, Ledger
+from superoffload_hf.engine.arenas import Ledger
+from superoffload_hf.plan.memory import BufferPolicy
 from superoffload_hf.testing.host_memory import SimHostMemory, SimHostMemoryError, pinned_block_bytes
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime
 

@@ -32,10 +32,10 @@ import torch
 from superoffload_hf.engine import precision
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime
-from superoffload_hf.engine.memory import (COMPACT_KINDS, STATE_KINDS, BufferPolicy, HostArena, Ledger, footprint,
-                                          spare_landing_numel)
+from superoffload_hf.engine.arenas import HostArena, Ledger
+from superoffload_hf.plan.memory import COMPACT_KINDS, STATE_KINDS, BufferPolicy, footprint, spare_landing_numel
 from superoffload_hf.engine.pin_method import PinMethod, choose_pin_method
-from superoffload_hf.engine.plan import BucketPlan, ParamSlot
+from superoffload_hf.plan.buckets import BucketPlan, ParamSlot
 
 logger = logging.getLogger("superoffload_hf")
 FP32 = torch.float32

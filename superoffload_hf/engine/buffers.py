@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
-from superoffload_hf.engine.memory import COMPACT_KINDS, SCALE_KINDS, STATE_KINDS
-from superoffload_hf.engine.plan import ParamSlot
+from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS, STATE_KINDS
+from superoffload_hf.plan.buckets import ParamSlot
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 # (kind, dtype, pinned[, numel]) -> a new buffer (default: the bucket's numel), counted by the Ledger

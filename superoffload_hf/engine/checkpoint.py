@@ -53,7 +53,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from superoffload_hf.engine.memory import COMPACT_KINDS
+from superoffload_hf.plan.memory import COMPACT_KINDS
 from superoffload_hf.host.compact import scale_numel
 
 from superoffload_hf.errors import CorruptStateError  # noqa: F401 (raised here, caught by the CLI)

@@ -47,17 +47,17 @@ from superoffload_hf.engine.layout import FireLog, cast_params_in_place, common_
 from superoffload_hf.engine.live import LiveInputs
 from superoffload_hf.engine.lifecycle import BucketState
 from superoffload_hf.engine.loss_scale import make_loss_scale
-from superoffload_hf.engine.memory import footprint
+from superoffload_hf.plan.memory import footprint
 from superoffload_hf.engine.observe import StepObserver
 from superoffload_hf.engine.reads import ModuleReads
-from superoffload_hf.engine.snapshot_trade import engine_trade
+from superoffload_hf.engine.host_limit import engine_trade
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
 from superoffload_hf.engine.worker import HostWorker, InlineWorker, Pending
 from superoffload_hf.host.kernel import default_threads, get_host_adam
 from superoffload_hf.metrics import OffloadCounters
-from superoffload_hf.perf.cost_model import BUCKET_SIZES_MB, choose_plan, predict
+from superoffload_hf.plan.cost_model import BUCKET_SIZES_MB, choose_plan, predict
 
 logger = logging.getLogger("superoffload_hf")
 

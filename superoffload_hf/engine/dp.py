@@ -1,7 +1,7 @@
 """Data parallelism inside the engine (ZeRO-style sharded host state; DESIGN.md section 8).
 
 With N ranks (device/collectives.py) every host bucket's host state is cut into N shards
-(engine/shard.py) and this rank's buffers hold only its shard: 16/N bytes per parameter of
+(plan/shard.py) and this rank's buffers hold only its shard: 16/N bytes per parameter of
 master and moments, plus its shard of the gradient staging. Per step and host bucket:
 
   hooks (training thread)   gradients -> one flat device buffer of the whole bucket, padded to
@@ -74,9 +74,9 @@ import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
-from superoffload_hf.engine.shard import shard_of
+from superoffload_hf.plan.shard import shard_of
 from superoffload_hf.engine.checkpoint import MASTER_KINDS
-from superoffload_hf.engine.memory import COMPACT_KINDS, SCALE_KINDS
+from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS
 from superoffload_hf.engine.shard_checkpoint import FP32_KINDS, RangeSource, is_shard_state, shard_state_dict
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
@@ -568,7 +568,7 @@ class DataParallel:
 
     @staticmethod
     def _whole(rt: BucketRuntime, k: int):
-        from superoffload_hf.engine.shard import Piece
+        from superoffload_hf.plan.shard import Piece
 
         slot = rt.bucket.slots[k]
         return Piece(slot=k, index=slot.index, param_start=0, param_end=slot.numel, offset=slot.offset)

@@ -1,5 +1,5 @@
 """Which units' weights flow (config `weights`) and how deep the prefetch goes, decided before
-anything is allocated from the layout's device memory (engine/memory.py footprint, the
+anything is allocated from the layout's device memory (plan/memory.py footprint, the
 activations as given) against the device's free memory, and the depth again after the first
 step from the measured link and forward time (engine/core.py _learn).
 
@@ -66,7 +66,7 @@ def decide_weights(choice: str, plan, stationary_policy, machine, model: Optiona
     (`plan` under `stationary_policy`) puts on the device against the device's free memory
     (`machine`: engine/layout.py MachineFacts) and `activation_bytes`. On the CPU device nothing is checked (the host
     memory check covers it), nor where the device's memory is not known (the dry run's default)."""
-    from superoffload_hf.engine.memory import footprint
+    from superoffload_hf.plan.memory import footprint
 
     if not machine.host_is_device and machine.free_bytes is not None:
         rows = footprint(plan, stationary_policy)

@@ -26,7 +26,9 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-from superoffload_hf.engine.memory import FootprintRow, format_footprint
+from superoffload_hf.plan.buckets import BucketPlan
+from superoffload_hf.plan.memory import BufferPolicy, FootprintRow, footprint, format_footprint
+from superoffload_hf.plan.snapshot_trade import SnapshotTrade, snapshot_trade
 
 HOST_PLACES = ("pinned", "host")
 # where the limits are read (tests point them at files of their own)
@@ -219,3 +221,21 @@ def check_host_fits(rows: Sequence[FootprintRow], transient_bytes: int, runtime,
         "host copy), give the process more memory (a larger cgroup limit / machine), or, if you know "
         "what this process may use better than that figure, say so with `host_memory_budget` (e.g. "
         "\"100GB\") or skip the check with `host_memory_check: false`.")
+
+
+def engine_trade(plan: BucketPlan, policy: BufferPolicy, mode: str, runtime, *, check_memory: bool,
+                 held_bytes: int = 0, host_budget: Optional[int] = None, host_bytes_per_second: Optional[float] = None,
+                 backward_seconds: Optional[float] = None) -> SnapshotTrade:
+    """The engine's decision for `plan` before it allocates it: the memory this process may use
+    now (engine/host_limit.py; `host_budget`: config `host_memory_budget`) plus `held_bytes` (what the engine holds and a re-plan frees)
+    against the plan's footprint without snapshots and its re-plan transient."""
+    memory_left, other = None, 0
+    if check_memory and policy.compact and mode == "auto":
+        left = host_memory_left(runtime, host_budget)
+        if left is not None:
+            rows = footprint(plan, policy, frozenset())
+            memory_left = left[0] + held_bytes
+            other = host_bytes(rows, runtime.host_is_device) + replan_transient(rows)
+    return snapshot_trade(plan, policy, mode, memory_left=memory_left, other_bytes=other,
+                          host_bytes_per_second=host_bytes_per_second, backward_seconds=backward_seconds,
+                          overlaps=not runtime.host_is_device)

@@ -12,7 +12,7 @@ Rules (the "auto" choices of SuperOffloadConfig):
 * device_buckets and bucket_size_mb "auto": 0 device buckets when the device is the CPU, and
   (one process) buckets of 32 MB however small the model: host jobs run inline after backward
   there, so more buckets overlap nothing and each costs Python time per step. On an
-  accelerator both are chosen after the first step by the cost model (perf/cost_model.py) fed
+  accelerator both are chosen after the first step by the cost model (plan/cost_model.py) fed
   with that step's host-clock measurements (engine/autoplan.py: backward time from the gradient
   hooks, host Adam rate, link bandwidth, device Adam rate): at most half of the buckets stay on
   the device (offloading stays the point), and only as many of the last buckets as fit, with
@@ -36,8 +36,8 @@ from typing import Callable, TYPE_CHECKING, Mapping, Optional
 
 import torch
 
-from superoffload_hf.engine.memory import BufferPolicy, FootprintRow, footprint
-from superoffload_hf.engine.plan import AUTO_MIN_BUCKETS, BucketPlan, auto_bucket_numel
+from superoffload_hf.plan.memory import DTYPES, BufferPolicy, FootprintRow, footprint
+from superoffload_hf.plan.buckets import AUTO_MIN_BUCKETS, BucketPlan, auto_bucket_numel
 
 if TYPE_CHECKING:
     from superoffload_hf.engine.flow import FlowPlan
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("superoffload_hf")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FAST_LINK_GBPS = 100.0
 DEVICE_MEMORY_FRACTION = 0.25
 DEVICE_BYTES_PER_ELEMENT = 16
@@ -480,7 +479,7 @@ def dry_run_machine(accelerator: bool, pin_memory, shard_world: Optional[int] = 
 def estimate_layout(params: list[torch.Tensor], groups: list[dict], config, accelerator: bool,
                     accumulation_steps: int = 1, shard_world: Optional[int] = None) -> tuple[BucketPlan, BufferPolicy]:
     """The first plan and the buffer policy of `estimate` (the dry run also decides the snapshot
-    trade from them, engine/snapshot_trade.py): `decide_layout` on the dry run's machine, with
+    trade from them, plan/snapshot_trade.py): `decide_layout` on the dry run's machine, with
     the weights stationary (the dry run prints the weight-flow lines of its own: flow adds no
     host buffer, it streams the copy the host Adam writes)."""
     machine = dry_run_machine(accelerator, config.pin_memory, shard_world)

@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from superoffload_hf.engine.memory import COMPACT_KINDS, STATE_KINDS
+from superoffload_hf.plan.memory import COMPACT_KINDS, STATE_KINDS
 from superoffload_hf.host.compact import scale_numel, spec_of
 
 FP32 = torch.float32

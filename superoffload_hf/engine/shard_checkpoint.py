@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from superoffload_hf.engine.checkpoint import CorruptStateError, tensor_crc32
-from superoffload_hf.engine.memory import COMPACT_KINDS, SCALE_KINDS
+from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 SHARD_FORMAT = "superoffload-shard"

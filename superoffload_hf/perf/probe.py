@@ -1,5 +1,5 @@
 """`superoffload probe`: measure this machine (and, given a recipe, its model), then print the
-plan the cost model (superoffload_hf.perf.cost_model) derives from the numbers.
+plan the cost model (superoffload_hf.plan.cost_model) derives from the numbers.
 
     superoffload probe [--json FILE] [--recipe R.yaml] [--device cuda|cpu] [--quick]
 
@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from superoffload_hf.perf.cost_model import Bandwidth, Machine, Plan, Workload, choose_plan
+from superoffload_hf.plan.cost_model import Bandwidth, Machine, Plan, Workload, choose_plan
 
 KB, MB = 2**10, 2**20
 TRANSFER_SIZES = (64 * KB, 1 * MB, 8 * MB, 32 * MB, 128 * MB)

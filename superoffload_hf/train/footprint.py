@@ -14,6 +14,7 @@ import dataclasses
 
 from typing import Any, Optional
 
+from superoffload_hf.plan.activations import device_activations
 from superoffload_hf.train.recipe import Recipe, checkpointing_on
 
 
@@ -27,7 +28,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     from superoffload_hf.config import SuperOffloadConfig
     from superoffload_hf.engine.layout import estimate_layout
     from superoffload_hf.engine.layout import DTYPES
-    from superoffload_hf.engine.memory import footprint, format_footprint
+    from superoffload_hf.plan.memory import footprint, format_footprint
     from superoffload_hf.parallel.activation_offload import dry_run_line as activation_offload_line
     from superoffload_hf.parallel.activation_offload import dry_run_pinned_bytes as activation_pinned_bytes
 
@@ -93,7 +94,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
 def state_line(rows, state_precision: str, num_params: int, shard_world: Optional[int]) -> str:
     """The host state's precision and bytes per parameter (the rows of its kinds), and what the
     rollback snapshot of speculated buckets costs."""
-    from superoffload_hf.engine.memory import COMPACT_KINDS, STATE_KINDS
+    from superoffload_hf.plan.memory import COMPACT_KINDS, STATE_KINDS
 
     kinds = STATE_KINDS if state_precision == "fp32" else COMPACT_KINDS
     state = sum(r.nbytes for r in rows if r.what in kinds) / max(num_params, 1)
@@ -108,12 +109,12 @@ def state_line(rows, state_precision: str, num_params: int, shard_world: Optiona
 
 def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Optional[int] = None,
                   host_budget: Optional[int] = None):
-    """The snapshot trade of `speculation: auto` (engine/snapshot_trade.py) as the engine decides
+    """The snapshot trade of `speculation: auto` (plan/snapshot_trade.py) as the engine decides
     it at construction: against the memory this process may use now (`host_budget`, config
     `host_memory_budget`, when set: engine/host_limit.py), or `memory_left` bytes."""
-    from superoffload_hf.engine.host_limit import host_bytes, replan_transient
-    from superoffload_hf.engine.memory import footprint
-    from superoffload_hf.engine.snapshot_trade import engine_trade, snapshot_trade
+    from superoffload_hf.engine.host_limit import engine_trade, host_bytes, replan_transient
+    from superoffload_hf.plan.memory import footprint
+    from superoffload_hf.plan.snapshot_trade import snapshot_trade
 
     if memory_left is not None:
         rows = footprint(plan, policy, frozenset())
@@ -206,7 +207,7 @@ H200_BYTES = H200["device_bytes"]  # the device the dry run decides "auto" again
 
 def recipe_activations(model_config, recipe: Recipe, config, accelerator: bool, num_params: int):
     """(ActivationTerms, TilingChoice): the device activations of one micro-batch at the recipe's
-    batch, sequence length and checkpointing (perf/activation_memory.py), with the tiling
+    batch, sequence length and checkpointing (plan/activations.py), with the tiling
     `tiled_loss` / `tiled_mlp` would choose: on an accelerator against an H200's 141 GB less the
     stationary weights (at run time "auto" decides at the first forward against the free memory)."""
     from superoffload_hf.engine.layout import DTYPES
@@ -217,65 +218,6 @@ def recipe_activations(model_config, recipe: Recipe, config, accelerator: bool, 
     return device_activations(model_config, config, int(t.get("per_device_train_batch_size", 8)),
                               int(recipe.data.seq_len), checkpointing_on(t),
                               accelerator, free)
-
-
-def device_activations(model_config, config, micro_batch: int, seq_len: int, gradient_checkpointing: bool,
-                       accelerator: bool, free_device_bytes: Optional[int]):
-    """(ActivationTerms, TilingChoice) of one micro-batch, with the tiling `tiled_loss` /
-    `tiled_mlp` would choose against `free_device_bytes` (free after the weights)."""
-    from superoffload_hf.engine.layout import DTYPES
-    from superoffload_hf.parallel.tiling import choose_tiling
-    from superoffload_hf.perf.activation_memory import estimate_activations
-
-    dtype_bytes = DTYPES[config.device_dtype].itemsize
-    choice = choose_tiling(config.tiled_loss, config.tiled_mlp, not accelerator, model_config=model_config,
-                           micro_batch=micro_batch, seq_len=seq_len, dtype_bytes=dtype_bytes,
-                           free_device_bytes=free_device_bytes)
-    terms = estimate_activations(model_config, micro_batch, seq_len, dtype_bytes,
-                                 gradient_checkpointing=gradient_checkpointing,
-                                 tiled_loss=choice.loss, tiled_mlp=choice.mlp,
-                                 loss_chunk=config.tiled_loss_chunk_tokens, mlp_chunk=config.tiled_mlp_chunk_tokens)
-    return terms, choice
-
-
-def dataset_seq_len(dataset, samples: int = 64) -> Optional[int]:
-    """The longest `input_ids` among the first `samples` of a map-style dataset (what a padding
-    collator makes a batch's length); None for an iterable dataset or samples without input_ids."""
-    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-        return None
-    lengths = []
-    for i in range(min(len(dataset), samples)):
-        item = dataset[i]
-        ids = item.get("input_ids") if isinstance(item, dict) else None
-        if ids is None:
-            return None
-        lengths.append(len(ids))
-    return max(lengths, default=None)
-
-
-def with_trainer_activations(config, explicit: dict, model, micro_batch: int, gradient_checkpointing: bool,
-                             dataset, free_device_bytes) -> tuple[Any, Optional[str]]:
-    """The Trainer's counterpart of `with_recipe_activations`: `config` with `device_activation_bytes`
-    estimated at `micro_batch` x the train dataset's longest sequence among its first samples, for
-    `weights` "auto" or "flow" on an accelerator when the user did not set it, and a line saying
-    so (None: unchanged). `free_device_bytes()`: free device memory now (the weights are there)."""
-    accelerator = next(model.parameters()).device.type != "cpu"
-    if "device_activation_bytes" in explicit or not accelerator or config.weights == "stationary":
-        return config, None
-    seq = dataset_seq_len(dataset)
-    model_config = getattr(model, "config", None)
-    if seq is None or model_config is None:
-        return config, ("activations not counted by `weights` auto: the train dataset's sequence length is "
-                        "unknown (an iterable dataset, or no input_ids); set `device_activation_bytes`")
-    try:
-        terms, _ = device_activations(model_config, config, micro_batch, seq, gradient_checkpointing, True,
-                                      free_device_bytes())
-    except (ValueError, AttributeError, TypeError) as error:  # not a Llama-style config
-        return config, f"activations not counted by `weights` auto ({error}); set `device_activation_bytes`"
-    chosen = config.replace(device_activation_bytes=int(terms.total))
-    return chosen, (f"weights {config.weights} counts {terms.total / 1e9:.3f} GB of activations (the estimate at "
-                    f"{micro_batch} x {seq} tokens, the train dataset's longest of its first samples; "
-                    "`device_activation_bytes` sets it)")
 
 
 def with_recipe_activations(config, recipe: Recipe, model_config, accelerator: bool, num_params: int):
@@ -318,7 +260,7 @@ def recipe_with_activation_bytes(recipe: Recipe) -> tuple[Recipe, Optional[str]]
 
 def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, num_params: int) -> list[str]:
     """The device activations of one micro-batch at the recipe's sequence length
-    (perf/activation_memory.py), term by term, and what `tiled_loss` / `tiled_mlp` decide
+    (plan/activations.py), term by term, and what `tiled_loss` / `tiled_mlp` decide
     (recipe_activations)."""
     t = recipe.training
     batch, seq = int(t.get("per_device_train_batch_size", 8)), int(recipe.data.seq_len)
