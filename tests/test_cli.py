@@ -18,7 +18,8 @@ import yaml
 from safetensors.torch import load_file
 
 from superoffload_hf import cli
-from superoffload_hf.cli import TrainSummary, main, optimizer_counters
+from superoffload_hf.cli import main
+from superoffload_hf.train.run import TrainSummary, optimizer_counters
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny_llama_cpu.yaml")

@@ -13,7 +13,7 @@ only then), applying the tiled MLP before the decoder runs and the tiled loss in
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from superoffload_hf.config import AUTO, SuperOffloadConfig
 from superoffload_hf.plan.activations import DecoderShape, TilingChoice, choose_tiling
