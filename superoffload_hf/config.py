@@ -50,7 +50,7 @@ class SuperOffloadConfig:
     master and Adam state on the device and are stepped there, so the device does not idle at
     the end of backward. "auto": a heuristic after the first step, from host timestamps of the
     host step time against backward, within a quarter of the free device memory counted with
-    the buckets' real sizes (0 when the device is the CPU); see superoffload_hf/engine/layout.py."""
+    the buckets' real sizes (0 when the device is the CPU); see superoffload_hf/plan/layout.py."""
 
     speculation: str = AUTO
     """"on": step each bucket on the host as soon as its gradients arrive, validate at
@@ -109,7 +109,7 @@ class SuperOffloadConfig:
     per unit: the fewest units flowing that fit, the units whose fetch hides best behind their
     compute first
     (the others stay on the device), prefetched as deep as the link speed and the forward time
-    measured in the first step call for (engine/flow_choice.py). "auto" keeps a margin of the
+    measured in the first step call for (plan/flow.py). "auto" keeps a margin of the
     device free: 5% of it, or the caching allocator's measured slack where larger (the flow and
     compute streams' pools cannot serve each other). `device_dtype` fp32 or bf16
     (docs/weight-flow.md)."""

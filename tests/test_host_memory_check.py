@@ -461,7 +461,7 @@ def test_an_8b_shaped_plan_under_cast_host_needs_no_fp32_gradient_arena_and_half
     fp32 kind less the landing arena it frees first (2 B/param)."""
     from superoffload_hf.config import SuperOffloadConfig
     from superoffload_hf.engine.host_limit import host_bytes
-    from superoffload_hf.engine.layout import estimate
+    from superoffload_hf.plan.layout import estimate
 
     hidden, inter, kv, vocab, layers = 4096, 14336, 1024, 128256, 32
     shapes = [(vocab, hidden)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from superoffload_hf.engine.layout import FireLog
+from superoffload_hf.engine.measure import FireLog
 
 
 @dataclass

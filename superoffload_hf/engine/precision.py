@@ -66,3 +66,10 @@ def empty_compact(n: int, precision: str) -> dict[str, torch.Tensor]:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1)
+
+
+def cast_params_in_place(params: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """The device parameters in the layout's device dtype (the engine's construction)."""
+    for p in params:
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)

@@ -16,6 +16,7 @@ import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.plan.buckets import Bucket
+from superoffload_hf.plan.memory import NORM_CHUNK
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 
@@ -102,7 +103,6 @@ def run_slots(call: StepCall) -> list[int]:
     return [k for run in call.runs for k in run.slots]
 
 
-NORM_CHUNK = 1 << 22  # elements: bounds the float64 transient of a device norm to 32 MB
 
 
 def sum_squares_on_device(flat: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 policy, measured figures) and returns a frozen value that the dry run prints and the engine
 builds from.
 
+* `layout`: `Layout`, `decide_layout` (every "auto" choice, once) and the re-plan after step 1.
+* `flow`: `FlowPlan`, which units' weights flow and the prefetch depth.
 * `buckets`: `BucketPlan` (parameters into buckets, ready order, device-resident buckets).
 * `shard`: `ShardPlan` (this rank's range of every host bucket under data parallelism).
 * `memory`: `BufferPolicy` and `footprint` (the bytes a plan needs, per kind and place), the

@@ -61,6 +61,7 @@ HOST_KINDS = STATE_KINDS + ("grad", "lowp")
 FP32 = torch.float32
 # config `device_dtype` -> the device copy's dtype
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NORM_CHUNK = 1 << 22  # elements: bounds the float64 transient of a device norm to 32 MB (engine/stepper.py)
 ALL_GATHERS_LIVE = 1  # data parallel: all-gather buffer pairs (flat bucket + shard), reused (engine/dp.py)
 
 
@@ -71,7 +72,7 @@ def _size(dtype: torch.dtype) -> int:
 @dataclass(frozen=True)
 class BufferPolicy:
     """The engine's decisions that fix which buffers exist, their dtypes and whether they are
-    page-locked (from the config and the runtime; see engine/layout.py decide_layout)."""
+    page-locked (from the config and the runtime; see plan/layout.py decide_layout)."""
 
     device_dtype: torch.dtype
     link_dtype: torch.dtype  # the dtype in which gradients cross to the host

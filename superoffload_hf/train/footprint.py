@@ -1,11 +1,11 @@
 """`superoffload train --dry-run`: the memory the run will need, per buffer kind, computed by
-the engine's own allocation arithmetic (engine.layout.estimate) for the model built on the
+the engine's own allocation arithmetic (plan.layout.estimate) for the model built on the
 meta device: nothing is downloaded but the model's config.json (read from a local directory or
 the local hub cache), and no byte of the model is allocated.
 
 `--num_processes N` (and `--num_machines M`, as `superoffload launch` takes them) prints one
 rank's memory under data parallelism over N ranks, each holding 1/N of every host bucket's
-state (engine.layout.estimate with a shard world of N: the arithmetic the engine sizes its
+state (plan.layout.estimate with a shard world of N: the arithmetic the engine sizes its
 buffers with under data parallelism), and the total of the N / M ranks that share a host."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     from transformers import AutoModelForCausalLM
 
     from superoffload_hf.config import SuperOffloadConfig
-    from superoffload_hf.engine.layout import estimate_layout
-    from superoffload_hf.engine.layout import DTYPES
+    from superoffload_hf.plan.layout import estimate_layout
+    from superoffload_hf.plan.layout import DTYPES
     from superoffload_hf.plan.memory import footprint, format_footprint
     from superoffload_hf.parallel.activation_offload import dry_run_line as activation_offload_line
     from superoffload_hf.parallel.activation_offload import dry_run_pinned_bytes as activation_pinned_bytes
@@ -129,11 +129,11 @@ def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Op
 
 
 def weights_line(model, params, config) -> str:
-    """Which units flow (engine/flow.py plan_flow: the blocks, the embedding, the head) and the
+    """Which units flow (plan/flow.py plan_flow: the blocks, the embedding, the head) and the
     device's weights with and without weight-flow (`weights` "auto" decides at construction,
     against the device's free memory)."""
-    from superoffload_hf.engine.flow import plan_flow
-    from superoffload_hf.engine.layout import DTYPES
+    from superoffload_hf.plan.flow import plan_flow
+    from superoffload_hf.plan.layout import DTYPES
 
     weights, element_bytes = config.weights, DTYPES[config.device_dtype].itemsize
     plan = plan_flow(model, params, element_bytes=element_bytes)
@@ -161,9 +161,9 @@ def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_s
     """What `weights` ("auto" where the config says "stationary") decides on `device` (default
     H200): the layout value the engine would run with there, which units flow, the device peak
     with and without flow and the predicted exposed transfer time at `tokens` a micro-batch
-    (engine/layout.py decide_layout, engine/flow_choice.py: the engine's own decision)."""
-    from superoffload_hf.engine.flow_choice import choose_depth, device_margin
-    from superoffload_hf.engine.layout import decide_layout, dry_run_machine
+    (plan/layout.py decide_layout, plan/flow.py: the engine's own decision)."""
+    from superoffload_hf.plan.flow import choose_depth, device_margin
+    from superoffload_hf.plan.layout import decide_layout, dry_run_machine
 
     device = device or H200
     machine = dry_run_machine(True, config.pin_memory, free_bytes=device["device_bytes"],
@@ -210,7 +210,7 @@ def recipe_activations(model_config, recipe: Recipe, config, accelerator: bool, 
     batch, sequence length and checkpointing (plan/activations.py), with the tiling
     `tiled_loss` / `tiled_mlp` would choose: on an accelerator against an H200's 141 GB less the
     stationary weights (at run time "auto" decides at the first forward against the free memory)."""
-    from superoffload_hf.engine.layout import DTYPES
+    from superoffload_hf.plan.layout import DTYPES
 
     t = recipe.training
     dtype_bytes = DTYPES[config.device_dtype].itemsize
@@ -223,7 +223,7 @@ def recipe_activations(model_config, recipe: Recipe, config, accelerator: bool, 
 def with_recipe_activations(config, recipe: Recipe, model_config, accelerator: bool, num_params: int):
     """`config` with `device_activation_bytes` from the activation estimate, for `weights` "auto"
     or "flow" on an accelerator when the recipe does not give it: what weight-flow's choice counts
-    against the free device memory (engine/flow_choice.py). Otherwise `config` as it is."""
+    against the free device memory (plan/flow.py). Otherwise `config` as it is."""
     given = "device_activation_bytes" in (recipe.superoffload or {})
     if given or not accelerator or config.weights == "stationary" or model_config is None:
         return config
