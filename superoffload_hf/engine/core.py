@@ -4,7 +4,7 @@
     step(): Committer (global norm, commit | rollback+replay | skip, account)
     forward / synchronize: Waiter (per-bucket waits, in stream order)
     BucketSet (plan, buffers, param state) · Layout (the decisions, one value) · Transfer (device seam)
-    with N > 1 ranks: DataParallel (dp.py) collects, reduce-scatters, all-gathers; shards (shard.py)
+    with N > 1 ranks: DataParallel (dp.py) collects, reduce-scatters, all-gathers; shards (plan/shard.py)
 
 Threads: hooks run on autograd's thread, step() on the training thread (never at the same time:
 backward() blocks the caller), host jobs on the worker. Each bucket's lifecycle is the state

@@ -591,7 +591,7 @@ def spread_nonfinite(flat: torch.Tensor) -> torch.Tensor:
 
 def _range_views(bufs: BucketBuffers, lo: int, hi: int, kinds: bool = False) -> dict[str, torch.Tensor]:
     """Views of elements [lo, hi) of a bucket's (or shard's) state: its six compact kinds (the
-    scales of the groups from `lo`, a multiple of the group: shard.py), or the fp32 master and
+    scales of the groups from `lo`, a multiple of the group: plan/shard.py), or the fp32 master and
     moments, keyed as the shard files are (`kinds`: by buffer kind)."""
     if bufs.compact:
         return {kind: (getattr(bufs, kind)[lo // COMPACT_GROUP:scale_numel(hi)] if kind in SCALE_KINDS

@@ -1,6 +1,6 @@
 """One parameter's optimizer state converted between fp32 and compact (host/compact.py).
 
-A parameter's state is a dict of its buffers' kinds (memory.py): fp32 `master`, `exp_avg`,
+A parameter's state is a dict of its buffers' kinds (plan/memory.py): fp32 `master`, `exp_avg`,
 `exp_avg_sq`, or the six compact kinds (`master_bf16`, `master_err`, `exp_avg_q`,
 `exp_avg_scale`, `exp_avg_sq_q`, `exp_avg_sq_scale`: groups from the parameter's first element,
 as in the engine's aligned slots). The conversion runs through a host Adam back end's

@@ -53,7 +53,7 @@ class StepCall:
 
 def plan_runs(bucket: Bucket, present: Sequence[bool], param_steps: Sequence[int]) -> tuple[Run, ...]:
     """Maximal runs of consecutive present parameters that share a step count and are contiguous
-    in the buffers (padding between slots, plan.py `align`, is never stepped)."""
+    in the buffers (padding between slots, plan/buckets.py `align`, is never stepped)."""
     runs: list[Run] = []
     for k, slot in enumerate(bucket.slots):
         if not present[k]:
@@ -85,7 +85,7 @@ def apply(op: Callable, bufs: BucketBuffers, grad: torch.Tensor, call: StepCall,
 
 def apply_compact(adam, bufs: BucketBuffers, grad: torch.Tensor, call: StepCall, adamw: bool) -> None:
     """`adam.compact_step_` over every run of `call` on a compact host bucket's six buffers. A run
-    starts at a slot, a multiple of the group (plan.py align): its scales start at offset / G."""
+    starts at a slot, a multiple of the group (plan/buckets.py align): its scales start at offset / G."""
     h = call.hyper
     for run in call.runs:
         if run.numel == 0:

@@ -291,6 +291,27 @@ def _data_parallel_rows(host_buckets, shards: Sequence[int], policy: BufferPolic
             FootprintRow("all-gather", "device", gathered)]
 
 
+HOST_PLACES = ("pinned", "host")
+SCRATCH_ROWS = ("grad staging", "grad landing", "grad landing (spare)")  # footprint rows of buckets.SCRATCH_KINDS
+CALLERS_ROWS = ("device params",)  # allocated by the caller before the optimizer exists
+
+
+def host_bytes(rows: Sequence[FootprintRow], host_is_device: bool) -> int:
+    """Host bytes the engine allocates for a footprint: pinned and plain host rows, and the
+    device's where the device is this host (the CPU runtime), but not the parameters."""
+    places = HOST_PLACES + (("device",) if host_is_device else ())
+    return sum(r.nbytes for r in rows if r.place in places and r.what not in CALLERS_ROWS)
+
+
+def replan_transient(rows: Sequence[FootprintRow]) -> int:
+    """What a re-plan holds on top of the state at rest (engine/buckets.py BucketSet.replan): it
+    frees the gradient staging and landing arenas first, then allocates each kind's new arena
+    before the old one goes: the largest state arena less the scratch arenas freed."""
+    host = [r for r in rows if r.place in HOST_PLACES and not r.transient]
+    largest = max((r.nbytes for r in host if r.what not in SCRATCH_ROWS), default=0)
+    return max(0, largest - sum(r.nbytes for r in host if r.what in SCRATCH_ROWS))
+
+
 def format_footprint(rows: Sequence[FootprintRow], num_params: int) -> str:
     lines = [f"  {'buffer':<26}{'place':<8}{'GB':>10}{'B/param':>9}"]
     for r in rows:

@@ -112,8 +112,8 @@ def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Op
     """The snapshot trade of `speculation: auto` (plan/snapshot_trade.py) as the engine decides
     it at construction: against the memory this process may use now (`host_budget`, config
     `host_memory_budget`, when set: engine/host_limit.py), or `memory_left` bytes."""
-    from superoffload_hf.engine.host_limit import engine_trade, host_bytes, replan_transient
-    from superoffload_hf.plan.memory import footprint
+    from superoffload_hf.engine.host_limit import engine_trade
+    from superoffload_hf.plan.memory import footprint, host_bytes, replan_transient
     from superoffload_hf.plan.snapshot_trade import snapshot_trade
 
     if memory_left is not None:
@@ -280,7 +280,8 @@ def host_check_line(rows, device_is_host: bool, activation_pinned: int = 0,
     """What the engine's check before allocating compares (engine/host_limit.py), against this
     machine's memory now: the host buffers plus the re-plan's transient, plus activation
     offload's pinned pool (`activation_pinned`, reserved before training)."""
-    from superoffload_hf.engine.host_limit import host_bytes, host_memory_left, replan_transient
+    from superoffload_hf.engine.host_limit import host_memory_left
+    from superoffload_hf.plan.memory import host_bytes, replan_transient
 
     transient = replan_transient(rows)
     need = host_bytes(rows, device_is_host) + transient + activation_pinned
