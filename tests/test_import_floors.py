@@ -239,3 +239,37 @@ def test_an_up_import_inside_a_function_is_reported(tmp_path):
         "superoffload_hf.engine.core:1 -> superoffload_hf (floor 3 < 8)",
         "superoffload_hf.plan.layout:2 -> superoffload_hf.engine.core (floor 2 < 3)",
     ]
+
+
+# plan/ decides: no threads, no device runtime (the seam's runtimes, the simulator), no process
+# pool. Its own imports are read, at any level.
+PLAN_FORBIDDEN = ("threading", "concurrent", "multiprocessing", "superoffload_hf.device.cpu",
+                  "superoffload_hf.device.accelerator", "superoffload_hf.device.transfer.Transfer",
+                  "superoffload_hf.testing", "torch.cuda", "torch.accelerator")
+
+
+def all_imported_names(path: Path) -> list[tuple[str, int]]:
+    """Every dotted name an import statement of `path` names (`from a import b`: a.b)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+    return names
+
+
+def impure_imports(modules: dict[str, Path]) -> list[str]:
+    return [f"{module}:{line} imports {name}" for module, path in modules.items()
+            if module.startswith(f"{PACKAGE}.plan") for name, line in all_imported_names(path)
+            if any(name == f or name.startswith(f + ".") for f in PLAN_FORBIDDEN)]
+
+
+def test_plan_imports_no_threads_and_no_device_runtime():
+    assert impure_imports(package_modules(PACKAGE_DIR, PACKAGE)) == []
+
+
+def test_a_thread_in_plan_is_reported(tmp_path):
+    modules = _write_package(tmp_path, {"__init__.py": "", "plan/__init__.py": "",
+                                        "plan/layout.py": "def f():\n    import threading\n"})
+    assert impure_imports(modules) == ["superoffload_hf.plan.layout:2 imports threading"]
