@@ -229,7 +229,7 @@ def train_variant(name: str, seed: int, args) -> dict:
     from transformers import TrainerCallback, default_data_collator, set_seed
     import tempfile
 
-    from superoffload_hf.cli import build_model, build_tokenizer, build_training_arguments
+    from superoffload_hf.train.run import build_model, build_tokenizer, build_training_arguments
     from superoffload_hf.train.data import build_dataset
     from superoffload_hf.train.recipe import load_recipe
 

@@ -159,7 +159,7 @@ def train_one(overrides: list[str], contender: str) -> dict:
     from transformers import TrainerCallback, default_data_collator, set_seed
 
     from superoffload_hf import Trainer
-    from superoffload_hf.cli import build_model, build_tokenizer, build_training_arguments
+    from superoffload_hf.train.run import build_model, build_tokenizer, build_training_arguments
     from superoffload_hf.train.data import build_dataset
     from superoffload_hf.train.recipe import load_recipe
 

@@ -2,9 +2,9 @@
 and host state precision: a table computed by the engine's own code, nothing allocated.
 
 For each model shape (built on the meta device from a LlamaConfig: no download), the host bytes
-are the host and page-locked rows of the engine's footprint (engine/memory.py `footprint` of the
+are the host and page-locked rows of the engine's footprint (plan/memory.py `footprint` of the
 layout `decide_layout` makes on the dry run's H200, train/footprint.py H200: the arithmetic the
-allocation itself uses), and the device peak is the weight-flow choice's (engine/flow_choice.py:
+allocation itself uses), and the device peak is the weight-flow choice's (plan/flow.py:
 the units that flow, their window at the prefetch depth chosen for the assumed link and compute,
 the engine's device buffers) plus `--activation-gb` of activations (a stated input, not a model of
 them). A model "trains" on a host when its host bytes fit that host's memory less `--reserve-gb`
@@ -49,9 +49,9 @@ def meta_llama(hidden: int, layers: int, intermediate: int):
 
 def row(name: str, hidden: int, layers: int, intermediate: int, activation_bytes: int, tokens: int) -> dict:
     from superoffload_hf import SuperOffloadConfig
-    from superoffload_hf.engine.flow_choice import choose_depth, device_margin
-    from superoffload_hf.engine.layout import decide_layout, dry_run_machine
-    from superoffload_hf.engine.memory import footprint
+    from superoffload_hf.plan.flow import choose_depth, device_margin
+    from superoffload_hf.plan.layout import decide_layout, dry_run_machine
+    from superoffload_hf.plan.memory import footprint
     from superoffload_hf.train.footprint import H200
 
     model = meta_llama(hidden, layers, intermediate)
@@ -72,7 +72,7 @@ def row(name: str, hidden: int, layers: int, intermediate: int, activation_bytes
                          headroom_bytes=max(0, H200["device_bytes"] - choice.margin_bytes - choice.peak_flow))
     stays = auto.flow_choice is None
     # (speculation off: no rollback snapshot of the compact bytes; "auto" keeps one where the host
-    # memory allows, engine/snapshot_trade.py)
+    # memory allows, plan/snapshot_trade.py)
     compact = decide_layout(params, groups, base.replace(state_precision="compact", speculation="off"),
                             dry_run_machine(True, "auto"), model)
 

@@ -199,7 +199,7 @@ EOF
 fi
 
 stage host_adam "${CAP[host_adam]}" --missed-rc 2 $PY benchmarks/adam.py "${ADAM[@]}" --json "$WORK_DIR/host_adam.json"
-stage link "${CAP[link]}" $PY -m superoffload_hf.perf.probe "${PROBE[@]}" --json "$WORK_DIR/link.json"
+stage link "${CAP[link]}" $PY -m superoffload_hf.cli probe "${PROBE[@]}" --json "$WORK_DIR/link.json"
 if [ -f "$WORK_DIR/link.log" ]; then grep "page-locking" "$WORK_DIR/link.log" | sed 's/^/  /' >> "$summary_md"; fi
 
 finish

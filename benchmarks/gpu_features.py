@@ -22,7 +22,7 @@ Each runs a few optimizer steps with `host_kernel: cpp` (GraceAdam, never the re
 reports the steps that ran, the largest difference from its reference (parameters element by
 element after the last step, and every loss), tokens/s, the device's idle time per step
 (`counters.device_wait_seconds`), and the peak device memory against the dry run's device
-footprint (engine/memory.py; activations not in it). With --rehearse (tiny sizes, the CPU as the
+footprint (plan/memory.py; activations not in it). With --rehearse (tiny sizes, the CPU as the
 device, the simulated asynchronous device when SUPEROFFLOAD_SIM_DEVICE=1) the comparison is
 bitwise except for tiling (the chunks change the summation order: rtol 1e-5, atol 1e-5); on
 CUDA it is within a tolerance (the device's kernels are not the CPU's). --no-reference runs the

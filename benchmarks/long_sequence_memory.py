@@ -4,7 +4,7 @@
     python benchmarks/long_sequence_memory.py --measure    # measured on the CPU: tiny Llama, 32K vocab, 16K tokens
     python benchmarks/long_sequence_memory.py              # both
 
-`--table` (pure arithmetic, perf/activation_memory.py): Llama-3.1-8B (recipes/models/llama-3.1-8b)
+`--table` (pure arithmetic, plan/activations.py): Llama-3.1-8B (recipes/models/llama-3.1-8b)
 on one H200 (141 GB), micro-batch 1, bf16, gradient checkpointing of every block: the longest
 sequence (a multiple of 1024 tokens) whose activations plus the device's weights fit, weights
 stationary (every bf16 weight on the device) or flowing (two decoder blocks' weights, the
@@ -48,7 +48,7 @@ def device_weights(config, flow: bool, dtype_bytes: int = 2) -> int:
 
 
 def longest_sequence(config, weights: int, budget: int, sp: int = 1, **switches) -> int:
-    from superoffload_hf.perf.activation_memory import estimate_activations
+    from superoffload_hf.plan.activations import estimate_activations
 
     def fits(seq):
         return weights + ENGINE_DEVICE_BYTES + estimate_activations(
@@ -73,7 +73,7 @@ def table() -> str:
         cells = [f"{longest_sequence(config, device_weights(config, flow), H200, **switches) / 1024:,.0f}K"
                  for flow in (False, True)]
         rows.append(f"| {name} | {cells[0]} | {cells[1]} |")
-    from superoffload_hf.perf.activation_memory import estimate_activations
+    from superoffload_hf.plan.activations import estimate_activations
 
     big = AutoConfig.from_pretrained(str(REPO / "recipes/models/llama-2-13b"))
     terms = estimate_activations(big, 1, 2**20, 2, sequence_parallel_size=8, tiled_loss=True, tiled_mlp=True,

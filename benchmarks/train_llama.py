@@ -121,7 +121,7 @@ def peak_tflops(args) -> float:
 
 
 def predicted_gib(opt) -> dict:
-    """The dry run's figures (engine/memory.py footprint: the arithmetic that sized the buffers)
+    """The dry run's figures (plan/memory.py footprint: the arithmetic that sized the buffers)
     by place: device state (activations and the model's own gradients not included) and host."""
     rows = opt._engine.footprint()
     by_place = {place: sum(r.nbytes for r in rows if r.place == place) / 2**30 for place in ("device", "pinned", "host")}

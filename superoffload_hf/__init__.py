@@ -1,7 +1,7 @@
 """superoffload_hf: SuperOffload (ASPLOS 2026) as a Hugging Face training backend."""
 
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
-from superoffload_hf.engine.plan import BucketPlan
+from superoffload_hf.plan.buckets import BucketPlan
 from superoffload_hf.metrics import OffloadCounters
 
 __all__ = ["BucketPlan", "ConfigError", "OffloadCounters", "SuperOffloadAdam", "SuperOffloadAdamW",

@@ -50,7 +50,7 @@ class SuperOffloadConfig:
     master and Adam state on the device and are stepped there, so the device does not idle at
     the end of backward. "auto": a heuristic after the first step, from host timestamps of the
     host step time against backward, within a quarter of the free device memory counted with
-    the buckets' real sizes (0 when the device is the CPU); see superoffload_hf/engine/layout.py."""
+    the buckets' real sizes (0 when the device is the CPU); see superoffload_hf/plan/layout.py."""
 
     speculation: str = AUTO
     """"on": step each bucket on the host as soon as its gradients arrive, validate at
@@ -109,7 +109,7 @@ class SuperOffloadConfig:
     per unit: the fewest units flowing that fit, the units whose fetch hides best behind their
     compute first
     (the others stay on the device), prefetched as deep as the link speed and the forward time
-    measured in the first step call for (engine/flow_choice.py). "auto" keeps a margin of the
+    measured in the first step call for (plan/flow.py). "auto" keeps a margin of the
     device free: 5% of it, or the caching allocator's measured slack where larger (the flow and
     compute streams' pools cannot serve each other). `device_dtype` fp32 or bf16
     (docs/weight-flow.md)."""
@@ -120,7 +120,7 @@ class SuperOffloadConfig:
     device memory together with the weights and the engine's buffers. 0: not counted (the
     simulated device does not count activations either). `superoffload train` (and its
     `--dry-run`, which prints the device peak with and without flow) sets it from the activation
-    estimate (perf/activation_memory.py) at the recipe's batch, sequence length and
+    estimate (plan/activations.py) at the recipe's batch, sequence length and
     checkpointing, where `weights` is "auto" or "flow" on an accelerator and the recipe does not
     set it; the Trainer (`TrainingArguments(superoffload=True)`, `superoffload launch`) likewise,
     at `per_device_train_batch_size` x the longest `input_ids` among the train dataset's first 64
@@ -144,7 +144,7 @@ class SuperOffloadConfig:
     logit at their peak) never exist (superoffload_hf/parallel/tiled_loss.py; exact to rounding;
     costs one more head matmul in backward). The model's output then has no `logits`. "on",
     "off", or "auto": on when what it saves (the logits' part of the activation estimate,
-    perf/activation_memory.py) exceeds 1/8 of the free device memory at the first training
+    plan/activations.py) exceeds 1/8 of the free device memory at the first training
     forward with labels; never on the CPU device; a model it cannot wrap is left alone. Applied
     by the Trainer integration (parallel/tiling.py); plain loops call
     `superoffload_hf.parallel.tiled_loss.apply_tiled_loss(model)`."""

@@ -39,7 +39,7 @@ from superoffload_hf.engine.checkpoint import ParamStateView
 from superoffload_hf.config import SuperOffloadConfig
 from superoffload_hf.engine.core import Engine
 from superoffload_hf.metrics import OffloadCounters
-from superoffload_hf.engine.plan import BucketPlan
+from superoffload_hf.plan.buckets import BucketPlan
 
 ConfigLike = Union[SuperOffloadConfig, Mapping[str, Any], str, None]
 

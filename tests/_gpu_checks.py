@@ -23,7 +23,7 @@ def _storage(t: torch.Tensor) -> int:
 
 def expected_host_pinning(engine) -> dict[str, bool]:
     """kind -> page-locked, for every buffer a host bucket has under the engine's BufferPolicy
-    (engine/memory.py): what the cast policy actually pins. Cast "device": master (and an fp32
+    (plan/memory.py): what the cast policy actually pins. Cast "device": master (and an fp32
     gradient); cast "host" with a low-precision model: the lowp copy and the landing buffer only."""
     return {kind: pinned for kind, (_, pinned) in engine.buckets.policy.host_kinds().items()}
 

@@ -1,4 +1,4 @@
-"""perf/activation_memory.py: the activation estimate against hand-computed numbers, and against
+"""plan/activations.py: the activation estimate against hand-computed numbers, and against
 the peak of a real tiny Llama's forward + backward on the CPU (testing/alloc_peak.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from superoffload_hf.perf.activation_memory import DecoderShape, estimate_activations
+from superoffload_hf.plan.activations import DecoderShape, estimate_activations
 from superoffload_hf.testing.alloc_peak import AllocationPeak
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,8 @@ import yaml
 from safetensors.torch import load_file
 
 from superoffload_hf import cli
-from superoffload_hf.cli import TrainSummary, main, optimizer_counters
+from superoffload_hf.cli import main
+from superoffload_hf.train.run import TrainSummary, optimizer_counters
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny_llama_cpu.yaml")
@@ -562,7 +563,7 @@ def test_dry_run_prints_the_layout_and_what_weights_auto_decides_on_one_h200(cap
     stationary = float(peak.split("device peak ")[1].split(" GB")[0])
     flowing = float(peak.split("stationary, ")[1].split(" GB")[0])
     # activations that leave room between the two: some units flow, within the device less the
-    # margin weights auto keeps free (engine/flow_choice.py device_margin: 5% of it)
+    # margin weights auto keeps free (plan/flow.py device_margin: 5% of it)
     margin = 0.05 * 141
     activations = 141 * 10**9 - int(margin * 1e9) - int((stationary + flowing) / 2 * 1e9)
     memory, _ = dry_run_memory(capsys, "--superoffload.device_activation_bytes", str(activations))

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from superoffload_hf.perf.cost_model import (
+from superoffload_hf.plan.cost_model import (
     MEASURED_PASS_BYTES, Bandwidth, Machine, Workload, bucket_sizes, candidate_bucket_numels, choose_plan, expected_step_s,
     TIE_TOLERANCE, host_bytes_per_element, predict,
 )

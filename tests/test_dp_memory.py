@@ -1,5 +1,5 @@
 """The memory estimate under data parallelism (`superoffload train --dry-run --num_processes N`:
-engine.layout.estimate with a shard world of N) against what 2 gloo ranks allocate, per kind:
+plan.layout.estimate with a shard world of N) against what 2 gloo ranks allocate, per kind:
 the host arenas from the engine's Ledger (the same arithmetic: equal to the byte), the device
 buffers of engine/dp.py (outside the Ledger: every allocation they make is tracked while the
 ranks train) within 5% of their measured peak. (The copy-backs reuse one pair of all-gather
@@ -80,7 +80,7 @@ def _measure(rank, world, accumulation, config):
 
     from superoffload_hf import SuperOffloadAdamW
     from superoffload_hf.config import SuperOffloadConfig
-    from superoffload_hf.engine.layout import estimate
+    from superoffload_hf.plan.layout import estimate
     from _dp_train import TinyLM
     from _models import engine_config, micro_batches
 
@@ -148,7 +148,7 @@ def test_two_rank_allocation_matches_the_dry_run_estimate_per_kind(two_ranks, na
 def test_each_rank_holds_half_of_the_single_process_host_state():
     """The dry run's arithmetic alone (no ranks): 2 shards of a bucket hold its elements, padded."""
     from superoffload_hf.config import SuperOffloadConfig
-    from superoffload_hf.engine.layout import estimate
+    from superoffload_hf.plan.layout import estimate
     from _dp_train import TinyLM
     from _models import engine_config
 

@@ -162,7 +162,7 @@ def test_after_the_first_step_the_predicted_step_time_is_reported_beside_the_mea
 
 def test_the_workload_is_read_from_the_first_steps_gradient_hooks():
     from superoffload_hf.engine.autoplan import measured_workload
-    from superoffload_hf.engine.layout import FireLog
+    from superoffload_hf.engine.measure import FireLog
 
     log = FireLog(3)
     log.order, log.counts = [2, 1, 0], [1, 1, 1]
@@ -177,7 +177,8 @@ def test_the_cost_models_choice_sets_the_auto_layout_within_the_device_memory_of
     from types import SimpleNamespace
 
     from superoffload_hf import SuperOffloadConfig
-    from superoffload_hf.engine.layout import FireLog, MachineFacts, decide_layout, device_bucket_bytes
+    from superoffload_hf.engine.measure import FireLog
+    from superoffload_hf.plan.layout import MachineFacts, decide_layout, device_bucket_bytes
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (4000, 1000, 1000, 1000, 1000)]
     config = SuperOffloadConfig(bucket_size_mb="auto")

@@ -1,4 +1,4 @@
-"""Per-unit weight placement (engine/flow_choice.py): which units flow under `weights: auto`, at
+"""Per-unit weight placement (plan/flow.py): which units flow under `weights: auto`, at
 which prefetch depth, and the exposed transfer time predicted; on the simulated device with a
 budget of a quarter of the weights, "auto" keeps some units on the device, stays within the
 budget and trains to the same parameters as stationary on the CPU."""
@@ -11,7 +11,7 @@ import torch
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.device import SIM_ENV_VAR
-from superoffload_hf.engine.flow_choice import (DEVICE_MARGIN_SHARE, UnitCost, choose_depth, choose_flow, choose_weights,
+from superoffload_hf.plan.flow import (DEVICE_MARGIN_SHARE, UnitCost, choose_depth, choose_flow, choose_weights,
                                                 device_margin, device_peak, exposed_seconds, hiding_order,
                                                 spread_order)
 from superoffload_hf.testing.sim import SimRuntime, on_device
@@ -180,7 +180,7 @@ def _steps(model, opt, steps: int) -> None:
 def test_the_engine_takes_the_depth_the_measured_link_and_forward_call_for_and_trains_alike_at_it():
     """(engine/core.py _choose_prefetch_depth, which an accelerator's first step runs, called here
     with a made-up measurement: a link far slower than the forward)"""
-    from superoffload_hf.perf.cost_model import Bandwidth, Machine, Workload
+    from superoffload_hf.plan.cost_model import Bandwidth, Machine, Workload
 
     def make(weights):
         model = tiny_llama(num_layers=4)

@@ -18,8 +18,9 @@ from superoffload_hf.device.transfer import Transfer
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.engine import host_limit
-from superoffload_hf.engine.host_limit import HostMemoryError, cgroup_left, host_memory_left, replan_transient
-from superoffload_hf.engine.memory import BufferPolicy, Ledger
+from superoffload_hf.engine.host_limit import HostMemoryError, cgroup_left, host_memory_left
+from superoffload_hf.engine.arenas import Ledger
+from superoffload_hf.plan.memory import BufferPolicy, replan_transient
 from superoffload_hf.testing.host_memory import SimHostMemory, SimHostMemoryError, pinned_block_bytes
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime
 
@@ -459,8 +460,8 @@ def test_an_8b_shaped_plan_under_cast_host_needs_no_fp32_gradient_arena_and_half
     landing buffer (4 B/param, page-locked), no fp32 gradient arena; the re-plan transient is one
     fp32 kind less the landing arena it frees first (2 B/param)."""
     from superoffload_hf.config import SuperOffloadConfig
-    from superoffload_hf.engine.host_limit import host_bytes
-    from superoffload_hf.engine.layout import estimate
+    from superoffload_hf.plan.memory import host_bytes
+    from superoffload_hf.plan.layout import estimate
 
     hidden, inter, kv, vocab, layers = 4096, 14336, 1024, 128256, 32
     shapes = [(vocab, hidden)]

@@ -1,4 +1,4 @@
-"""The one layout value (engine/layout.py Layout, DESIGN.md section 6): decided once, the same
+"""The one layout value (plan/layout.py Layout, DESIGN.md section 6): decided once, the same
 for the same inputs, printable, what the engine runs with, stored in checkpoints and compared on
 load with one notice naming what changed."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from superoffload_hf import SuperOffloadAdamW, SuperOffloadConfig
-from superoffload_hf.engine.layout import Layout, MachineFacts, decide_layout
+from superoffload_hf.plan.layout import Layout, MachineFacts, decide_layout
 
 from _models import engine_config, micro_batches, one_torch_thread, tiny_llama  # noqa: F401
 

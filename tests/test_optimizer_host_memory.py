@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from superoffload_hf import SuperOffloadAdamW
-from superoffload_hf.engine.memory import arena_layout, footprint
+from superoffload_hf.plan.memory import arena_layout, footprint
 
 from _models import engine_config, one_torch_thread  # noqa: F401
 
@@ -362,7 +362,7 @@ def test_compact_install_encodes_chunk_by_chunk_the_bytes_of_one_call(monkeypatc
     """The install encodes ENCODE_CHUNK elements per call (parameters straddling chunks, fp32
     weights whose error terms are not zero): the same bytes as one call over the whole bucket."""
     from superoffload_hf.engine import buckets as buckets_module
-    from superoffload_hf.engine.memory import COMPACT_KINDS
+    from superoffload_hf.plan.memory import COMPACT_KINDS
     from superoffload_hf.host.compact import compact_encode_, empty_state
 
     monkeypatch.setattr(buckets_module, "ENCODE_CHUNK", chunk)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from superoffload_hf.engine.plan import BucketPlan, auto_bucket_numel
+from superoffload_hf.plan.buckets import BucketPlan, auto_bucket_numel
 
 # A toy "model": 4 layers of (matrix 8x8, vector 8), registered in forward order.
 SHAPES = [(8, 8), (8,)] * 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from superoffload_hf.engine.plan import BucketPlan
-from superoffload_hf.engine.shard import ShardPlan, shard_numel, shard_of
+from superoffload_hf.plan.buckets import BucketPlan
+from superoffload_hf.plan.shard import ShardPlan, shard_numel, shard_of
 
 SHAPES = [(8, 8), (8,), (3, 5), (1,), (7,)]  # 64 + 8 + 15 + 1 + 7 = 95 elements
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from superoffload_hf.engine.checkpoint import CorruptStateError
-from superoffload_hf.engine.plan import BucketPlan
-from superoffload_hf.engine.shard import ShardPlan
+from superoffload_hf.plan.buckets import BucketPlan
+from superoffload_hf.plan.shard import ShardPlan
 from superoffload_hf.engine.shard_checkpoint import (
     KEYS,
     RangeSource,

@@ -1,4 +1,4 @@
-"""`speculation: auto` with compact state trades the rollback snapshot (engine/snapshot_trade.py):
+"""`speculation: auto` with compact state trades the rollback snapshot (plan/snapshot_trade.py):
 fewer speculated buckets where host memory lacks room for their snapshots, none where copying
 them takes longer than the backward they overlap; the engine follows the decision."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from superoffload_hf.engine.memory import BufferPolicy, footprint
-from superoffload_hf.engine.plan import BucketPlan
-from superoffload_hf.engine.snapshot_trade import bucket_snapshot_bytes, snapshot_trade
+from superoffload_hf.plan.memory import BufferPolicy, footprint
+from superoffload_hf.plan.buckets import BucketPlan
+from superoffload_hf.plan.snapshot_trade import bucket_snapshot_bytes, snapshot_trade
 
 BF16 = torch.bfloat16
 
@@ -75,7 +75,7 @@ def test_the_engine_speculates_only_the_buckets_whose_snapshot_fits(monkeypatch)
     for one bucket's snapshot: that bucket speculates, the other never does, and the Ledger holds
     one snapshot, as the footprint says."""
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine import snapshot_trade as trade_module
+    from superoffload_hf.engine import host_limit as trade_module
 
     monkeypatch.setenv("SUPEROFFLOAD_SIM_DEVICE", "1")
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])

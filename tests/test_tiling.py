@@ -12,7 +12,8 @@ from torch.testing import assert_close
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.parallel.tiled_loss import is_tiled_loss
 from superoffload_hf.parallel.tiled_mlp import is_tiled_mlp
-from superoffload_hf.parallel.tiling import choose_tiling, prepare_tiling, untiled_terms
+from superoffload_hf.parallel.tiling import prepare_tiling
+from superoffload_hf.plan.activations import choose_tiling, untiled_terms
 from tests._models import tiny_batch, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]

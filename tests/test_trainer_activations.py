@@ -1,7 +1,7 @@
 """`weights: auto` under the Trainer counts the activations: `device_activation_bytes` from the
-activation estimate (perf/activation_memory.py) at `per_device_train_batch_size` x the train
+activation estimate (plan/activations.py) at `per_device_train_batch_size` x the train
 dataset's longest sequence among its first samples, on an accelerator, unless the user set it
-(train/footprint.py `with_trainer_activations`, called by the Trainer's optimizer build)."""
+(plan/activations.py `with_trainer_activations`, called by the Trainer's optimizer build)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from superoffload_hf.config import SuperOffloadConfig
 from superoffload_hf.integrations import trainer_hooks
 from superoffload_hf.integrations.callback import unwrap_optimizer
 from superoffload_hf.integrations.trainer import Trainer, TrainingArguments
-from superoffload_hf.perf.activation_memory import estimate_activations
-from superoffload_hf.train.footprint import dataset_seq_len, with_trainer_activations
+from superoffload_hf.plan.activations import estimate_activations
+from superoffload_hf.plan.activations import dataset_seq_len, with_trainer_activations
 
 from _models import tiny_llama
 

@@ -13,7 +13,7 @@ import torch
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.device import SIM_ENV_VAR
-from superoffload_hf.engine.flow import find_units, plan_flow
+from superoffload_hf.plan.flow import find_units, plan_flow
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime, on_device
 
 from _models import (  # noqa: F401  (one_torch_thread is a fixture)
@@ -184,7 +184,7 @@ def test_flow_trains_within_a_quarter_of_the_weights_and_matches_torch_adamw_eve
     opt = SuperOffloadAdamW(model.parameters(), lr=LR, weight_decay=1e-2, model=model, config=_budget_config(weights))
     names = [name for name, _ in model.named_parameters()]
     with opt:
-        # "auto" flows the fewest units that fit (engine/flow_choice.py; tests/test_flow_choice.py)
+        # "auto" flows the fewest units that fit (plan/flow.py; tests/test_flow_choice.py)
         units = 19 if weights == "flow" else sum(opt._engine.layout.flow_choice.flowing)
         assert f"weights flow: {units} units" in opt.describe() and 0 < units <= 19
         for step in range(3):

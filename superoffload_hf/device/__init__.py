@@ -1,11 +1,14 @@
 """The device seam: `make_runtime` picks the runtime for the parameters' device (runtime.py
-documents the interface), and `Transfer` moves bucket data over it (transfer.py)."""
+states the interface as `DeviceRuntime`, a typing.Protocol), and `Transfer` moves bucket data
+over it (transfer.py)."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+from superoffload_hf.device.runtime import DeviceRuntime
 
 SIM_ENV_VAR = "SUPEROFFLOAD_SIM_DEVICE"
 
@@ -15,7 +18,7 @@ def accelerator_count() -> int:
     return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
 
 
-def make_runtime(device: torch.device, environ=os.environ):
+def make_runtime(device: torch.device, environ=os.environ) -> DeviceRuntime:
     """The runtime for `device`. With SUPEROFFLOAD_SIM_DEVICE=1, parameters on the CPU run on the
     simulated asynchronous device (superoffload_hf.testing.sim) instead of the synchronous CPU."""
     if device.type == "cpu":

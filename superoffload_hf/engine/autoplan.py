@@ -1,6 +1,6 @@
-"""The cost model (perf.cost_model) fed with what the first step measured: the machine (link
+"""The cost model (plan.cost_model) fed with what the first step measured: the machine (link
 bandwidth, host and device Adam rates, free device memory) and the workload (forward and
-backward time, when each gradient arrived). `Layout.learned` (engine/layout.py) uses it for the "auto"
+backward time, when each gradient arrived). `Layout.learned` (plan/layout.py) uses it for the "auto"
 bucket size and device-resident buckets on an accelerator, and keeps its predicted step time,
 which the engine reports beside the measured one.
 
@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from superoffload_hf.engine.layout import FireLog
-from superoffload_hf.perf.cost_model import Bandwidth, Machine, Workload
+from superoffload_hf.engine.measure import FireLog
+from superoffload_hf.plan.cost_model import Bandwidth, Machine, Workload
 
 PROBE_ELEMENTS = 1 << 20  # one-off measurements at construction or after the first step: 4 MB
 

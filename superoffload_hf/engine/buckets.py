@@ -2,14 +2,14 @@
 where, and each parameter's Adam step count. Also the per-parameter state interface that
 checkpoints go through (`export_param`, `import_param`).
 
-Host buffers are one arena per kind (memory.py), device-resident buckets' buffers are device
+Host buffers are one arena per kind (plan/memory.py, engine/arenas.py), device-resident buckets' buffers are device
 tensors of their own; every allocation goes through the Ledger, whose figures `footprint`
 predicts. Re-planning first frees the gradient staging and landing arenas (they hold nothing
 between steps), then moves one kind at a time (allocate the new plan's buffers of that kind,
 copy, free the old, return the freed page-locked blocks to the system), so the host never holds
 more than the state plus one kind's arena.
 
-Compact host state (memory.py, host/compact.py): host buckets hold six compact kinds instead of
+Compact host state (plan/memory.py, host/compact.py): host buckets hold six compact kinds instead of
 the fp32 master and moments, encoded from the parameters at install by the host Adam back end
 (`codec`); every new compact arena is zeroed first (the padding between slots stays zero). A
 re-plan moves a parameter's bytes unchanged, except where it moves between a compact host bucket
@@ -32,10 +32,10 @@ import torch
 from superoffload_hf.engine import precision
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime
-from superoffload_hf.engine.memory import (COMPACT_KINDS, STATE_KINDS, BufferPolicy, HostArena, Ledger, footprint,
-                                          spare_landing_numel)
+from superoffload_hf.engine.arenas import HostArena, Ledger
+from superoffload_hf.plan.memory import COMPACT_KINDS, STATE_KINDS, BufferPolicy, footprint, spare_landing_numel
 from superoffload_hf.engine.pin_method import PinMethod, choose_pin_method
-from superoffload_hf.engine.plan import BucketPlan, ParamSlot
+from superoffload_hf.plan.buckets import BucketPlan, ParamSlot
 
 logger = logging.getLogger("superoffload_hf")
 FP32 = torch.float32

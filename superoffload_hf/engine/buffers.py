@@ -1,6 +1,6 @@
 """The flat buffers of one bucket: master weights, Adam moments, gradient staging.
 
-A host bucket's buffers are views into the plan's host arenas (memory.py: one allocation per
+A host bucket's buffers are views into the plan's host arenas (engine/arenas.py: one allocation per
 kind, page-locked only where the data crosses the link); a device-resident bucket's are its own
 device tensors. BucketSet sets them. The layout is the plan's: parameter `slot` occupies
 `[slot.offset, slot.offset + slot.numel)` of every buffer.
@@ -14,7 +14,7 @@ device tensors. BucketSet sets them. The layout is the plan's: parameter `slot` 
 * `lowp`   (host, cast "host" only) the low-precision copy of `master` the kernel writes.
 * `snap_*` (rollback "snapshot", or compact state) master / moments before the speculative step.
 
-Under compact state (memory.py) a host bucket holds `master_bf16`, `master_err`, `exp_avg_q`,
+Under compact state (plan/memory.py) a host bucket holds `master_bf16`, `master_err`, `exp_avg_q`,
 `exp_avg_scale`, `exp_avg_sq_q`, `exp_avg_sq_scale` instead of master / exp_avg / exp_avg_sq
 (`state_kinds` says which); `master_bf16` is also the copy-back's source. A parameter's scales
 are `[slot.offset / G, ...)` of the scale buffers: every slot starts at a multiple of the group.
@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
-from superoffload_hf.engine.memory import COMPACT_KINDS, SCALE_KINDS, STATE_KINDS
-from superoffload_hf.engine.plan import ParamSlot
+from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS, STATE_KINDS
+from superoffload_hf.plan.buckets import ParamSlot
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 # (kind, dtype, pinned[, numel]) -> a new buffer (default: the bucket's numel), counted by the Ledger
@@ -59,7 +59,7 @@ class BucketBuffers:
     def kind_view(kind: str, flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """A slot's part of a buffer of `kind`: its elements, or its groups' scales."""
         if kind in SCALE_KINDS:
-            first = slot.offset // COMPACT_GROUP  # slots start at multiples of the group (plan.py align)
+            first = slot.offset // COMPACT_GROUP  # slots start at multiples of the group (plan/buckets.py align)
             return flat[first:first + scale_numel(slot.numel)]
         return BucketBuffers.view(flat, slot)
 
@@ -76,7 +76,7 @@ class BucketBuffers:
         return self.master_bf16 if self.compact else self.master
 
     def recv_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        """The landing buffer (a view of the host arena of its kind, see memory.py)."""
+        """The landing buffer (a view of the host arena of its kind, see engine/arenas.py)."""
         if self.recv is None or self.recv.dtype != dtype:
             self.recv = self._alloc("grad landing", dtype, True)  # a copy target: page-locked
         return self.recv

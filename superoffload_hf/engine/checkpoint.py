@@ -5,7 +5,7 @@
      "superoffload": {"format_version": 1, "state_precision": "fp32" | "compact" | "compact32",
                       "loss_scale": {..}, "speculation": {..},
                       "counters": {..the counts; no wall-clock seconds..}, "plan": None | {"ready_order", "deferred", "device_buckets"},
-                      "layout": {..engine/layout.py Layout.to_dict()..},
+                      "layout": {..plan/layout.py Layout.to_dict()..},
                       "checksums": {i: {"exp_avg": crc32, "exp_avg_sq": crc32, "master_param": crc32}}}}
 
 As in torch.optim, a parameter has an entry only once it has been stepped, and the tensors
@@ -53,7 +53,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from superoffload_hf.engine.memory import COMPACT_KINDS
+from superoffload_hf.plan.memory import COMPACT_KINDS
 from superoffload_hf.host.compact import scale_numel
 
 from superoffload_hf.errors import CorruptStateError  # noqa: F401 (raised here, caught by the CLI)

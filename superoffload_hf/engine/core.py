@@ -4,7 +4,7 @@
     step(): Committer (global norm, commit | rollback+replay | skip, account)
     forward / synchronize: Waiter (per-bucket waits, in stream order)
     BucketSet (plan, buffers, param state) · Layout (the decisions, one value) · Transfer (device seam)
-    with N > 1 ranks: DataParallel (dp.py) collects, reduce-scatters, all-gathers; shards (shard.py)
+    with N > 1 ranks: DataParallel (dp.py) collects, reduce-scatters, all-gathers; shards (plan/shard.py)
 
 Threads: hooks run on autograd's thread, step() on the training thread (never at the same time:
 backward() blocks the caller), host jobs on the worker. Each bucket's lifecycle is the state
@@ -37,27 +37,29 @@ from superoffload_hf.engine.buckets import BucketSet
 from superoffload_hf.engine.collect import Collector
 from superoffload_hf.engine.commit import Committer
 from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_ddp, sharding
-from superoffload_hf.engine.flow import WeightFlow, find_units
-from superoffload_hf.engine.flow_choice import choose_depth
+from superoffload_hf.engine.flow import WeightFlow
+from superoffload_hf.plan.flow import choose_depth, find_units
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.hooks import claim, owners_of, register_forward_wait, register_param_hooks, remove_handles
 from superoffload_hf.engine.jobs import HostJobs
 from superoffload_hf.engine.host_limit import check_plan_fits
-from superoffload_hf.engine.layout import FireLog, cast_params_in_place, common_device, decide_layout, machine_facts
+from superoffload_hf.engine.measure import FireLog, machine_facts
+from superoffload_hf.engine.precision import cast_params_in_place
+from superoffload_hf.plan.layout import common_device, decide_layout
 from superoffload_hf.engine.live import LiveInputs
 from superoffload_hf.engine.lifecycle import BucketState
 from superoffload_hf.engine.loss_scale import make_loss_scale
-from superoffload_hf.engine.memory import footprint
+from superoffload_hf.plan.memory import footprint
 from superoffload_hf.engine.observe import StepObserver
 from superoffload_hf.engine.reads import ModuleReads
-from superoffload_hf.engine.snapshot_trade import engine_trade
+from superoffload_hf.engine.host_limit import engine_trade
 from superoffload_hf.engine.step_state import StepState
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy, decide
 from superoffload_hf.engine.waits import Waiter
 from superoffload_hf.engine.worker import HostWorker, InlineWorker, Pending
 from superoffload_hf.host.kernel import default_threads, get_host_adam
 from superoffload_hf.metrics import OffloadCounters
-from superoffload_hf.perf.cost_model import BUCKET_SIZES_MB, choose_plan, predict
+from superoffload_hf.plan.cost_model import BUCKET_SIZES_MB, choose_plan, predict
 
 logger = logging.getLogger("superoffload_hf")
 
@@ -114,7 +116,7 @@ class Engine:
         if collectives is not None:
             broadcast_params(collectives, self.params)
         self.transfer = Transfer(self.runtime, config.pin_memory in (True, "auto"))
-        # every layout decision, once, before anything is allocated (engine/layout.py)
+        # every layout decision, once, before anything is allocated (plan/layout.py)
         self.layout = decide_layout(self.params, param_groups, config, machine_facts(
             self.runtime, self.transfer, config, None if collectives is None else collectives.topology.shard_world),
             model, all_ranks_fit=None if collectives is None else collectives.all_ranks_true)
@@ -381,7 +383,7 @@ class Engine:
 
     def _choose_prefetch_depth(self, machine, workload) -> None:
         """Weight-flow's prefetch depth from the first step's link speed and forward time
-        (engine/flow_choice.py choose_depth), within the device memory free now; the flow reads
+        (plan/flow.py choose_depth), within the device memory free now; the flow reads
         the new plan's depth from its next prefetch on."""
         flow_choice = self.layout.flow_choice
         units = [u for u, f in zip(flow_choice.units, flow_choice.flowing) if f]

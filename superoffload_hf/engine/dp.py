@@ -1,7 +1,7 @@
 """Data parallelism inside the engine (ZeRO-style sharded host state; DESIGN.md section 8).
 
 With N ranks (device/collectives.py) every host bucket's host state is cut into N shards
-(engine/shard.py) and this rank's buffers hold only its shard: 16/N bytes per parameter of
+(plan/shard.py) and this rank's buffers hold only its shard: 16/N bytes per parameter of
 master and moments, plus its shard of the gradient staging. Per step and host bucket:
 
   hooks (training thread)   gradients -> one flat device buffer of the whole bucket, padded to
@@ -75,9 +75,9 @@ import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
-from superoffload_hf.engine.shard import shard_of
+from superoffload_hf.plan.shard import shard_of
 from superoffload_hf.engine.checkpoint import MASTER_KINDS
-from superoffload_hf.engine.memory import COMPACT_KINDS, SCALE_KINDS
+from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS
 from superoffload_hf.engine.shard_checkpoint import FP32_KINDS, RangeSource, is_shard_state, shard_state_dict
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
@@ -583,7 +583,7 @@ class DataParallel:
 
     @staticmethod
     def _whole(rt: BucketRuntime, k: int):
-        from superoffload_hf.engine.shard import Piece
+        from superoffload_hf.plan.shard import Piece
 
         slot = rt.bucket.slots[k]
         return Piece(slot=k, index=slot.index, param_start=0, param_end=slot.numel, offset=slot.offset)
@@ -606,7 +606,7 @@ def spread_nonfinite(flat: torch.Tensor) -> torch.Tensor:
 
 def _range_views(bufs: BucketBuffers, lo: int, hi: int, kinds: bool = False) -> dict[str, torch.Tensor]:
     """Views of elements [lo, hi) of a bucket's (or shard's) state: its six compact kinds (the
-    scales of the groups from `lo`, a multiple of the group: shard.py), or the fp32 master and
+    scales of the groups from `lo`, a multiple of the group: plan/shard.py), or the fp32 master and
     moments, keyed as the shard files are (`kinds`: by buffer kind)."""
     if bufs.compact:
         return {kind: (getattr(bufs, kind)[lo // COMPACT_GROUP:scale_numel(hi)] if kind in SCALE_KINDS

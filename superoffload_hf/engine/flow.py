@@ -39,8 +39,8 @@ parameter costs nothing. The model's state dict (a post-hook on every module own
 parameter) holds host copies of those weights, gathered unit by unit from the host copy that
 flows (data parallel: all-gathered, a collective), never fetched onto the device.
 
-`FlowPlan` is pure data (which units flow, their bytes, the prefetch depth), printed by the
-summary and the dry run. Units whose parameters are not all given to the optimizer (frozen or
+`FlowPlan` (plan/flow.py) is pure data (which units flow, their bytes, the prefetch depth),
+printed by the summary and the dry run. Units whose parameters are not all given to the optimizer (frozen or
 foreign ones) stay on the device.
 """
 
@@ -48,100 +48,12 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-DEFAULT_DEPTH = 1  # units fetched ahead of the one running
-
-
-@dataclass(frozen=True)
-class UnitSpec:
-    name: str
-    params: tuple[int, ...]  # indices into the engine's parameters
-    nbytes: int  # device bytes of its weights
-
-
-@dataclass(frozen=True)
-class FlowPlan:
-    units: tuple[UnitSpec, ...]  # the flowing units, in model order
-    stationary: tuple[str, ...] = ()  # units kept on the device, and why
-    depth: int = DEFAULT_DEPTH
-
-    @property
-    def nbytes(self) -> int:
-        return sum(u.nbytes for u in self.units)
-
-    @property
-    def peak_bytes(self) -> int:
-        """The most flowing weight bytes on the device at once: a unit and the `depth` after it
-        (backward: before it) in model order, or a unit used at both ends (tied) and those."""
-        sizes = [u.nbytes for u in self.units]
-        window = self.depth + 1
-        if not sizes:
-            return 0
-        spans = [sum(sizes[i:i + window]) for i in range(max(1, len(sizes) - window + 1))]
-        return max(spans) + (max(sizes) if any("+" in u.name for u in self.units) else 0)
-
-    def describe(self) -> str:
-        if not self.units:
-            return "weights stationary"
-        kept = f", {len(self.stationary)} stationary" if self.stationary else ""
-        return (f"weights flow: {len(self.units)} units{kept}, prefetch depth {self.depth}, "
-                f"{self.nbytes / 1e6:.3f} MB on the host, <= {self.peak_bytes / 1e6:.3f} MB on the device")
-
-
-def find_units(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """(name, root modules) per unit: each child of the largest ModuleList (by parameters: the
-    decoder blocks), then every other module owning parameters directly, merged where they share
-    a parameter (a tied embedding and head)."""
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
-    blocks_name, blocks = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()), default=(None, None))
-    units: list[tuple[str, list[torch.nn.Module]]] = []
-    inside = set()
-    if blocks is not None:
-        for j, block in enumerate(blocks):
-            units.append((f"{blocks_name}.{j}", [block]))
-            inside.update(id(m) for m in block.modules())
-    others: list[tuple[str, list[torch.nn.Module], set]] = []
-    for name, module in model.named_modules():
-        if id(module) in inside or not any(True for _ in module.parameters(recurse=False)):
-            continue
-        owned = {id(p) for p in module.parameters(recurse=False)}
-        merged = next((o for o in others if o[2] & owned), None)
-        if merged is None:
-            others.append((name, [module], owned))
-        else:
-            others[others.index(merged)] = (f"{merged[0]}+{name}", merged[1] + [module], merged[2] | owned)
-    return units + [(name, modules) for name, modules, _ in others]
-
-
-def unit_params(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
-    seen, params = set(), []
-    for module in modules:
-        for p in module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return params
-
-
-def plan_flow(model: torch.nn.Module, params: list[torch.Tensor], depth: int = DEFAULT_DEPTH,
-              element_bytes: Optional[int] = None) -> FlowPlan:
-    """`element_bytes`: of the device dtype (default: as the parameters are now)."""
-    index_of = {id(p): i for i, p in enumerate(params)}
-    flowing, kept = [], []
-    for name, modules in find_units(model):
-        ps = unit_params(modules)
-        if not all(id(p) in index_of and p.requires_grad for p in ps):
-            kept.append(f"{name} (parameters the optimizer does not train)")
-            continue
-        flowing.append(UnitSpec(name, tuple(index_of[id(p)] for p in ps),
-                                sum(p.numel() * (element_bytes or p.element_size()) for p in ps)))
-    return FlowPlan(tuple(flowing), tuple(kept), depth)
-
+from superoffload_hf.plan.flow import FlowPlan, UnitSpec
 
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1

@@ -19,6 +19,10 @@ killing it, left *now* (buffers already held, a re-plan's old arenas, are not co
     the kernel refuses allocations past it);
   - a simulated device's host budget (testing/host_memory.py).
 The refusal names the figure that bound.
+
+What a footprint needs of the host (`host_bytes`, `replan_transient`) is pure arithmetic in
+plan/memory.py; this module measures what the host has left, refuses a plan that does not fit,
+and decides the snapshot trade against that measurement (`engine_trade`, plan/snapshot_trade.py).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-from superoffload_hf.engine.memory import FootprintRow, format_footprint
+from superoffload_hf.plan.buckets import BucketPlan
+from superoffload_hf.plan.memory import (BufferPolicy, FootprintRow, footprint, format_footprint, host_bytes,
+                                         replan_transient)
+from superoffload_hf.plan.snapshot_trade import SnapshotTrade, snapshot_trade
 
-HOST_PLACES = ("pinned", "host")
 # where the limits are read (tests point them at files of their own)
 MEMINFO, PROC, PROC_SELF_CGROUP, CGROUP_ROOT = "/proc/meminfo", "/proc", "/proc/self/cgroup", "/sys/fs/cgroup"
 OVERCOMMIT = "/proc/sys/vm/overcommit_memory"
@@ -163,26 +169,6 @@ def host_memory_left(runtime, budget_bytes: Optional[int] = None) -> Optional[tu
     return min(candidates, key=lambda c: c[0]) if candidates else None
 
 
-SCRATCH_ROWS = ("grad staging", "grad landing", "grad landing (spare)")  # footprint rows of buckets.SCRATCH_KINDS
-CALLERS_ROWS = ("device params",)  # allocated by the caller before the optimizer exists
-
-
-def host_bytes(rows: Sequence[FootprintRow], host_is_device: bool) -> int:
-    """Host bytes the engine allocates for a footprint: pinned and plain host rows, and the
-    device's where the device is this host (the CPU runtime), but not the parameters."""
-    places = HOST_PLACES + (("device",) if host_is_device else ())
-    return sum(r.nbytes for r in rows if r.place in places and r.what not in CALLERS_ROWS)
-
-
-def replan_transient(rows: Sequence[FootprintRow]) -> int:
-    """What a re-plan holds on top of the state at rest (engine/buckets.py BucketSet.replan): it
-    frees the gradient staging and landing arenas first, then allocates each kind's new arena
-    before the old one goes: the largest state arena less the scratch arenas freed."""
-    host = [r for r in rows if r.place in HOST_PLACES and not r.transient]
-    largest = max((r.nbytes for r in host if r.what not in SCRATCH_ROWS), default=0)
-    return max(0, largest - sum(r.nbytes for r in host if r.what in SCRATCH_ROWS))
-
-
 def check_plan_fits(rows: Sequence[FootprintRow], runtime, num_params: int,
                     held: Optional[Sequence[FootprintRow]] = None, budget_bytes: Optional[int] = None) -> None:
     """The engine's check before it allocates a plan's buffers (`rows`: its footprint): at
@@ -219,3 +205,21 @@ def check_host_fits(rows: Sequence[FootprintRow], transient_bytes: int, runtime,
         "host copy), give the process more memory (a larger cgroup limit / machine), or, if you know "
         "what this process may use better than that figure, say so with `host_memory_budget` (e.g. "
         "\"100GB\") or skip the check with `host_memory_check: false`.")
+
+
+def engine_trade(plan: BucketPlan, policy: BufferPolicy, mode: str, runtime, *, check_memory: bool,
+                 held_bytes: int = 0, host_budget: Optional[int] = None, host_bytes_per_second: Optional[float] = None,
+                 backward_seconds: Optional[float] = None) -> SnapshotTrade:
+    """The engine's decision for `plan` before it allocates it: the memory this process may use
+    now (engine/host_limit.py; `host_budget`: config `host_memory_budget`) plus `held_bytes` (what the engine holds and a re-plan frees)
+    against the plan's footprint without snapshots and its re-plan transient."""
+    memory_left, other = None, 0
+    if check_memory and policy.compact and mode == "auto":
+        left = host_memory_left(runtime, host_budget)
+        if left is not None:
+            rows = footprint(plan, policy, frozenset())
+            memory_left = left[0] + held_bytes
+            other = host_bytes(rows, runtime.host_is_device) + replan_transient(rows)
+    return snapshot_trade(plan, policy, mode, memory_left=memory_left, other_bytes=other,
+                          host_bytes_per_second=host_bytes_per_second, backward_seconds=backward_seconds,
+                          overlaps=not runtime.host_is_device)

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.plan import Bucket
+from superoffload_hf.plan.buckets import Bucket
 from superoffload_hf.engine.stepper import StepCall
 from superoffload_hf.engine.worker import Pending
 from superoffload_hf.host.segmented import SegmentedGrad

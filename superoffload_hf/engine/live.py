@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from superoffload_hf.engine.layout import FireLog
+from superoffload_hf.engine.measure import FireLog
 
 
 @dataclass
@@ -19,5 +19,5 @@ class LiveInputs:
     sync_source: Optional[Callable[[], bool]] = None
     # the order the hooks fired in on the first step; None once the plan was learned from it
     fire_log: Optional[FireLog] = None
-    # compact state under speculation auto: which buckets may speculate (engine/snapshot_trade.py)
+    # compact state under speculation auto: which buckets may speculate (plan/snapshot_trade.py)
     snapshot_trade: Optional[object] = None

@@ -1,6 +1,6 @@
 """One parameter's optimizer state converted between fp32 and compact (host/compact.py).
 
-A parameter's state is a dict of its buffers' kinds (memory.py): fp32 `master`, `exp_avg`,
+A parameter's state is a dict of its buffers' kinds (plan/memory.py): fp32 `master`, `exp_avg`,
 `exp_avg_sq`, or the six compact kinds (`master_bf16`, `master_err`, `exp_avg_q`,
 `exp_avg_scale`, `exp_avg_sq_q`, `exp_avg_sq_scale`: groups from the parameter's first element,
 as in the engine's aligned slots). The conversion runs through a host Adam back end's
@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from superoffload_hf.engine.memory import COMPACT_KINDS, STATE_KINDS
+from superoffload_hf.plan.memory import COMPACT_KINDS, STATE_KINDS
 from superoffload_hf.host.compact import scale_numel, spec_of
 
 FP32 = torch.float32
@@ -66,3 +66,10 @@ def empty_compact(n: int, precision: str) -> dict[str, torch.Tensor]:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1)
+
+
+def cast_params_in_place(params: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """The device parameters in the layout's device dtype (the engine's construction)."""
+    for p in params:
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)

@@ -22,7 +22,7 @@ its parameter's count; a parameter without state (never stepped) has no piece.
 
 Compact state (engine/precision.py): a piece of a compact host bucket's parameter holds its
 bytes instead, the six compact kinds (`master_bf16` ... `exp_avg_sq_scale`, the scales one per
-group of 32 of the piece's elements). Compact shards start at group boundaries (shard.py
+group of 32 of the piece's elements). Compact shards start at group boundaries (plan/shard.py
 `align`), so every piece starts at a multiple of 32 of its parameter's elements and every piece
 but the parameter's last ends at one: the pieces' scales concatenate to the parameter's.
 `RangeSource.read_state` reads any range as either precision, converting (and, for a compact
@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from superoffload_hf.engine.checkpoint import CorruptStateError, tensor_crc32
-from superoffload_hf.engine.memory import COMPACT_KINDS, SCALE_KINDS
+from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 SHARD_FORMAT = "superoffload-shard"
@@ -169,9 +169,9 @@ class RangeSource:
 
     def read_state(self, index: int, start: int, end: int, precision: str, codec) -> tuple[dict, bool]:
         """Elements [start, end) of parameter `index` as `precision` state, in buffer kinds
-        (memory.py: fp32 `master` (when saved) / `exp_avg` / `exp_avg_sq`, or the compact six),
+        (plan/memory.py: fp32 `master` (when saved) / `exp_avg` / `exp_avg_sq`, or the compact six),
         and whether it was converted from the other precision (`codec`: a host Adam back end,
-        engine/precision.py). A compact target range starts at a group boundary (shard.py)."""
+        engine/precision.py). A compact target range starts at a group boundary (plan/shard.py)."""
         from superoffload_hf.engine.precision import convert
 
         saved = self.precision(index)

@@ -15,7 +15,8 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.plan import Bucket
+from superoffload_hf.plan.buckets import Bucket
+from superoffload_hf.plan.memory import NORM_CHUNK
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 
@@ -52,7 +53,7 @@ class StepCall:
 
 def plan_runs(bucket: Bucket, present: Sequence[bool], param_steps: Sequence[int]) -> tuple[Run, ...]:
     """Maximal runs of consecutive present parameters that share a step count and are contiguous
-    in the buffers (padding between slots, plan.py `align`, is never stepped)."""
+    in the buffers (padding between slots, plan/buckets.py `align`, is never stepped)."""
     runs: list[Run] = []
     for k, slot in enumerate(bucket.slots):
         if not present[k]:
@@ -84,7 +85,7 @@ def apply(op: Callable, bufs: BucketBuffers, grad: torch.Tensor, call: StepCall,
 
 def apply_compact(adam, bufs: BucketBuffers, grad: torch.Tensor, call: StepCall, adamw: bool) -> None:
     """`adam.compact_step_` over every run of `call` on a compact host bucket's six buffers. A run
-    starts at a slot, a multiple of the group (plan.py align): its scales start at offset / G."""
+    starts at a slot, a multiple of the group (plan/buckets.py align): its scales start at offset / G."""
     h = call.hyper
     for run in call.runs:
         if run.numel == 0:
@@ -102,7 +103,6 @@ def run_slots(call: StepCall) -> list[int]:
     return [k for run in call.runs for k in run.slots]
 
 
-NORM_CHUNK = 1 << 22  # elements: bounds the float64 transient of a device norm to 32 MB
 
 
 def sum_squares_on_device(flat: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from superoffload_hf.integrations.resume import (
 from superoffload_hf.optimizer import SuperOffloadAdamW
 from superoffload_hf.device import make_runtime
 from superoffload_hf.parallel.tiling import prepare_tiling
-from superoffload_hf.train.footprint import dataset_seq_len, with_trainer_activations
+from superoffload_hf.plan.activations import dataset_seq_len, with_trainer_activations
 
 logger = logging.getLogger("superoffload_hf.integrations.trainer")
 

@@ -2,8 +2,8 @@
 applying them to the model: the one place where the Trainer integration (and anyone preparing a
 model for training) turns them on.
 
-`choose_tiling(...)` is pure: "on" / "off" as given; "auto" off on the CPU device, else on when
-the untiled term of the activation estimate (perf/activation_memory.py: the loss's logits part;
+`choose_tiling(...)` (plan/activations.py, pure) decides: "on" / "off" as given; "auto" off on
+the CPU device, else on when the untiled term of the activation estimate (the loss's logits part;
 one block's MLP intermediate) exceeds TILED_AUTO_SHARE of the free device memory at the batch's
 size. `prepare_tiling(model, config, runtime)` applies what is known now and, for "auto" on an
 accelerator, decides once at the model's first forward with labels (the batch's shape is known
@@ -13,56 +13,14 @@ only then), applying the tiled MLP before the decoder runs and the tiled loss in
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-from superoffload_hf.config import AUTO, TILED_AUTO_SHARE, SuperOffloadConfig
+from superoffload_hf.config import AUTO, SuperOffloadConfig
+from superoffload_hf.plan.activations import DecoderShape, TilingChoice, choose_tiling
 from superoffload_hf.parallel.tiled_loss import _head_and_decoder, apply_tiled_loss, is_tiled_loss
 from superoffload_hf.parallel.tiled_mlp import apply_tiled_mlp, decoder_mlps, is_tiled_mlp
 
 logger = logging.getLogger("superoffload_hf.parallel.tiling")
-
-
-@dataclass(frozen=True)
-class TilingChoice:
-    loss: bool
-    mlp: bool
-    reason: str
-
-    def describe(self) -> str:
-        on = lambda b: "on" if b else "off"  # noqa: E731
-        return f"tiled loss {on(self.loss)}, tiled MLP {on(self.mlp)} ({self.reason})"
-
-
-def untiled_terms(model_config: Any, micro_batch: int, seq_len: int, dtype_bytes: int) -> tuple[int, int]:
-    """(the loss's logits bytes, one block's MLP intermediate bytes) untiled: what tiling removes."""
-    from superoffload_hf.perf.activation_memory import estimate_activations
-
-    untiled = estimate_activations(model_config, micro_batch, seq_len, dtype_bytes)
-    tiled = estimate_activations(model_config, micro_batch, seq_len, dtype_bytes, tiled_loss=True, tiled_mlp=True,
-                                 loss_chunk=1, mlp_chunk=1)
-    return untiled.loss - tiled.loss, (untiled.mlp + untiled.backward) - (tiled.mlp + tiled.backward)
-
-
-def choose_tiling(tiled_loss: str, tiled_mlp: str, device_is_host: bool, *, model_config: Any = None,
-                  micro_batch: Optional[int] = None, seq_len: Optional[int] = None, dtype_bytes: int = 2,
-                  free_device_bytes: Optional[int] = None) -> TilingChoice:
-    """The switches' values for one run; "auto" needs the batch's size and the free device memory
-    (else it stays off, saying so)."""
-    if AUTO not in (tiled_loss, tiled_mlp):
-        return TilingChoice(tiled_loss == "on", tiled_mlp == "on", "as configured")
-    if device_is_host:
-        return TilingChoice(tiled_loss == "on", tiled_mlp == "on", "auto: off on the CPU device")
-    if model_config is None or micro_batch is None or seq_len is None or free_device_bytes is None:
-        return TilingChoice(tiled_loss == "on", tiled_mlp == "on", "auto: off, the batch size or free memory unknown")
-    loss_bytes, mlp_bytes = untiled_terms(model_config, micro_batch, seq_len, dtype_bytes)
-    limit = TILED_AUTO_SHARE * free_device_bytes
-    loss = tiled_loss == "on" or (tiled_loss == AUTO and loss_bytes > limit)
-    mlp = tiled_mlp == "on" or (tiled_mlp == AUTO and mlp_bytes > limit)
-    reason = (f"auto at {micro_batch} x {seq_len} tokens: tiling saves {loss_bytes / 1e9:.2f} GB of logits and "
-              f"{mlp_bytes / 1e9:.2f} GB of one block's MLP, against 1/{round(1 / TILED_AUTO_SHARE)} of "
-              f"{free_device_bytes / 1e9:.2f} GB free")
-    return TilingChoice(loss, mlp, reason)
 
 
 def prepare_tiling(model, config: SuperOffloadConfig, device_is_host: bool,
@@ -70,7 +28,6 @@ def prepare_tiling(model, config: SuperOffloadConfig, device_is_host: bool,
     """Apply config `tiled_loss` / `tiled_mlp` to `model` (a transformers causal LM); returns the
     choice when made now, None when "auto" decides at the first forward with labels. "on" on a
     model the tiling cannot wrap is an error; "auto" leaves such a model alone."""
-    from superoffload_hf.perf.activation_memory import DecoderShape
 
     if is_tiled_loss(model) or (_wraps(lambda: decoder_mlps(model)) and is_tiled_mlp(model)):
         logger.info("superoffload: the model is tiled already (by an earlier optimizer on it, or apply_tiled_*): "

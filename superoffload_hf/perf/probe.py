@@ -1,7 +1,7 @@
-"""`superoffload probe`: measure this machine (and, given a recipe, its model), then print the
-plan the cost model (superoffload_hf.perf.cost_model) derives from the numbers.
-
-    superoffload probe [--json FILE] [--recipe R.yaml] [--device cuda|cpu] [--quick]
+"""Measure this machine (and, given a recipe, its model) and derive the plan the cost model
+(superoffload_hf.plan.cost_model) chooses from the numbers: `probe(...) -> ProbeReport`. The
+`superoffload probe` command that prints it is superoffload_hf/cli.py's `probe_command`; the
+engine measures page-locking with `measure_pinning` (engine/pin_method.py).
 
 Measured, each through the device seam (superoffload_hf.device.make_runtime) and the host Adam
 back end the engine uses (superoffload_hf.host.kernel.get_host_adam):
@@ -26,20 +26,16 @@ whole probe takes well under 2 minutes (`--quick`: a few seconds, for tests).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from superoffload_hf.perf.cost_model import Bandwidth, Machine, Plan, Workload, choose_plan
+from superoffload_hf.plan.cost_model import Bandwidth, Machine, Plan, Workload, choose_plan
 
 KB, MB = 2**10, 2**20
 TRANSFER_SIZES = (64 * KB, 1 * MB, 8 * MB, 32 * MB, 128 * MB)
@@ -413,42 +409,3 @@ def _plan_dict(plan: Plan) -> dict:
     out["prediction"]["step_s"] = plan.prediction.step_s
     out["prediction"]["device_idle_fraction"] = plan.prediction.device_idle_fraction
     return out
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`superoffload probe`: 0 on success, 2 on a bad recipe or device."""
-    parser = argparse.ArgumentParser(prog="superoffload probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", metavar="FILE", help="also write the measurements and the plan as JSON")
-    parser.add_argument("--recipe", metavar="R.yaml", help="measure this recipe's model and print its plan")
-    parser.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: the accelerator, else cpu)")
-    parser.add_argument("--threads", type=int, help="the host Adam's pool size (default: every core this process may use)")
-    parser.add_argument("--quick", action="store_true", help="smaller and fewer measurements (seconds; for tests)")
-    args = parser.parse_args(argv)
-    recipe = None
-    try:
-        if args.recipe:
-            from superoffload_hf.train.recipe import load_recipe
-
-            recipe = load_recipe(args.recipe, [])
-        report = probe(torch.device(args.device) if args.device else None, recipe, quick=args.quick,
-                       threads=args.threads)
-    except ValueError as exc:  # RecipeError, ConfigError and a device torch cannot use are ValueErrors
-        print(f"superoffload probe: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a hub model's config that cannot be fetched (offline) or read
-        print(f"superoffload probe: error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
-    except torch.OutOfMemoryError as exc:
-        print(f"superoffload probe: error: the recipe's model does not fit on the device for a plain forward "
-              f"and backward of one micro-batch ({str(exc).splitlines()[0]}); lower "
-              "`training.per_device_train_batch_size` or `data.seq_len` in the recipe, or turn on "
-              "`training.activation_checkpointing`.", file=sys.stderr)
-        return 2
-    print(report.format())
-    if args.json:
-        Path(args.json).write_text(json.dumps(dataclasses.asdict(report), indent=1, default=str) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,11 @@
 """`superoffload train --dry-run`: the memory the run will need, per buffer kind, computed by
-the engine's own allocation arithmetic (engine.layout.estimate) for the model built on the
+the engine's own allocation arithmetic (plan.layout.estimate) for the model built on the
 meta device: nothing is downloaded but the model's config.json (read from a local directory or
 the local hub cache), and no byte of the model is allocated.
 
 `--num_processes N` (and `--num_machines M`, as `superoffload launch` takes them) prints one
 rank's memory under data parallelism over N ranks, each holding 1/N of every host bucket's
-state (engine.layout.estimate with a shard world of N: the arithmetic the engine sizes its
+state (plan.layout.estimate with a shard world of N: the arithmetic the engine sizes its
 buffers with under data parallelism), and the total of the N / M ranks that share a host."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 
 from typing import Any, Optional
 
+from superoffload_hf.plan.activations import device_activations
 from superoffload_hf.train.recipe import Recipe, checkpointing_on
 
 
@@ -25,9 +26,9 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
     from transformers import AutoModelForCausalLM
 
     from superoffload_hf.config import SuperOffloadConfig
-    from superoffload_hf.engine.layout import estimate_layout
-    from superoffload_hf.engine.layout import DTYPES
-    from superoffload_hf.engine.memory import footprint, format_footprint
+    from superoffload_hf.plan.layout import estimate_layout
+    from superoffload_hf.plan.layout import DTYPES
+    from superoffload_hf.plan.memory import footprint, format_footprint
     from superoffload_hf.parallel.activation_offload import dry_run_line as activation_offload_line
     from superoffload_hf.parallel.activation_offload import dry_run_pinned_bytes as activation_pinned_bytes
 
@@ -93,7 +94,7 @@ def memory_report(recipe: Recipe, num_processes: int = 1, num_machines: int = 1)
 def state_line(rows, state_precision: str, num_params: int, shard_world: Optional[int]) -> str:
     """The host state's precision and bytes per parameter (the rows of its kinds), and what the
     rollback snapshot of speculated buckets costs."""
-    from superoffload_hf.engine.memory import COMPACT_KINDS, STATE_KINDS
+    from superoffload_hf.plan.memory import COMPACT_KINDS, STATE_KINDS
 
     kinds = STATE_KINDS if state_precision == "fp32" else COMPACT_KINDS
     state = sum(r.nbytes for r in rows if r.what in kinds) / max(num_params, 1)
@@ -108,12 +109,12 @@ def state_line(rows, state_precision: str, num_params: int, shard_world: Optiona
 
 def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Optional[int] = None,
                   host_budget: Optional[int] = None):
-    """The snapshot trade of `speculation: auto` (engine/snapshot_trade.py) as the engine decides
+    """The snapshot trade of `speculation: auto` (plan/snapshot_trade.py) as the engine decides
     it at construction: against the memory this process may use now (`host_budget`, config
     `host_memory_budget`, when set: engine/host_limit.py), or `memory_left` bytes."""
-    from superoffload_hf.engine.host_limit import host_bytes, replan_transient
-    from superoffload_hf.engine.memory import footprint
-    from superoffload_hf.engine.snapshot_trade import engine_trade, snapshot_trade
+    from superoffload_hf.engine.host_limit import engine_trade
+    from superoffload_hf.plan.memory import footprint, host_bytes, replan_transient
+    from superoffload_hf.plan.snapshot_trade import snapshot_trade
 
     if memory_left is not None:
         rows = footprint(plan, policy, frozenset())
@@ -128,11 +129,11 @@ def dry_run_trade(plan, policy, mode: str, device_is_host: bool, memory_left: Op
 
 
 def weights_line(model, params, config) -> str:
-    """Which units flow (engine/flow.py plan_flow: the blocks, the embedding, the head) and the
+    """Which units flow (plan/flow.py plan_flow: the blocks, the embedding, the head) and the
     device's weights with and without weight-flow (`weights` "auto" decides at construction,
     against the device's free memory)."""
-    from superoffload_hf.engine.flow import plan_flow
-    from superoffload_hf.engine.layout import DTYPES
+    from superoffload_hf.plan.flow import plan_flow
+    from superoffload_hf.plan.layout import DTYPES
 
     weights, element_bytes = config.weights, DTYPES[config.device_dtype].itemsize
     plan = plan_flow(model, params, element_bytes=element_bytes)
@@ -160,9 +161,9 @@ def flow_choice_lines(model, params, groups, config, tokens: int, accumulation_s
     """What `weights` ("auto" where the config says "stationary") decides on `device` (default
     H200): the layout value the engine would run with there, which units flow, the device peak
     with and without flow and the predicted exposed transfer time at `tokens` a micro-batch
-    (engine/layout.py decide_layout, engine/flow_choice.py: the engine's own decision)."""
-    from superoffload_hf.engine.flow_choice import choose_depth, device_margin
-    from superoffload_hf.engine.layout import decide_layout, dry_run_machine
+    (plan/layout.py decide_layout, plan/flow.py: the engine's own decision)."""
+    from superoffload_hf.plan.flow import choose_depth, device_margin
+    from superoffload_hf.plan.layout import decide_layout, dry_run_machine
 
     device = device or H200
     machine = dry_run_machine(True, config.pin_memory, free_bytes=device["device_bytes"],
@@ -206,10 +207,10 @@ H200_BYTES = H200["device_bytes"]  # the device the dry run decides "auto" again
 
 def recipe_activations(model_config, recipe: Recipe, config, accelerator: bool, num_params: int):
     """(ActivationTerms, TilingChoice): the device activations of one micro-batch at the recipe's
-    batch, sequence length and checkpointing (perf/activation_memory.py), with the tiling
+    batch, sequence length and checkpointing (plan/activations.py), with the tiling
     `tiled_loss` / `tiled_mlp` would choose: on an accelerator against an H200's 141 GB less the
     stationary weights (at run time "auto" decides at the first forward against the free memory)."""
-    from superoffload_hf.engine.layout import DTYPES
+    from superoffload_hf.plan.layout import DTYPES
 
     t = recipe.training
     dtype_bytes = DTYPES[config.device_dtype].itemsize
@@ -219,69 +220,10 @@ def recipe_activations(model_config, recipe: Recipe, config, accelerator: bool, 
                               accelerator, free)
 
 
-def device_activations(model_config, config, micro_batch: int, seq_len: int, gradient_checkpointing: bool,
-                       accelerator: bool, free_device_bytes: Optional[int]):
-    """(ActivationTerms, TilingChoice) of one micro-batch, with the tiling `tiled_loss` /
-    `tiled_mlp` would choose against `free_device_bytes` (free after the weights)."""
-    from superoffload_hf.engine.layout import DTYPES
-    from superoffload_hf.parallel.tiling import choose_tiling
-    from superoffload_hf.perf.activation_memory import estimate_activations
-
-    dtype_bytes = DTYPES[config.device_dtype].itemsize
-    choice = choose_tiling(config.tiled_loss, config.tiled_mlp, not accelerator, model_config=model_config,
-                           micro_batch=micro_batch, seq_len=seq_len, dtype_bytes=dtype_bytes,
-                           free_device_bytes=free_device_bytes)
-    terms = estimate_activations(model_config, micro_batch, seq_len, dtype_bytes,
-                                 gradient_checkpointing=gradient_checkpointing,
-                                 tiled_loss=choice.loss, tiled_mlp=choice.mlp,
-                                 loss_chunk=config.tiled_loss_chunk_tokens, mlp_chunk=config.tiled_mlp_chunk_tokens)
-    return terms, choice
-
-
-def dataset_seq_len(dataset, samples: int = 64) -> Optional[int]:
-    """The longest `input_ids` among the first `samples` of a map-style dataset (what a padding
-    collator makes a batch's length); None for an iterable dataset or samples without input_ids."""
-    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-        return None
-    lengths = []
-    for i in range(min(len(dataset), samples)):
-        item = dataset[i]
-        ids = item.get("input_ids") if isinstance(item, dict) else None
-        if ids is None:
-            return None
-        lengths.append(len(ids))
-    return max(lengths, default=None)
-
-
-def with_trainer_activations(config, explicit: dict, model, micro_batch: int, gradient_checkpointing: bool,
-                             dataset, free_device_bytes) -> tuple[Any, Optional[str]]:
-    """The Trainer's counterpart of `with_recipe_activations`: `config` with `device_activation_bytes`
-    estimated at `micro_batch` x the train dataset's longest sequence among its first samples, for
-    `weights` "auto" or "flow" on an accelerator when the user did not set it, and a line saying
-    so (None: unchanged). `free_device_bytes()`: free device memory now (the weights are there)."""
-    accelerator = next(model.parameters()).device.type != "cpu"
-    if "device_activation_bytes" in explicit or not accelerator or config.weights == "stationary":
-        return config, None
-    seq = dataset_seq_len(dataset)
-    model_config = getattr(model, "config", None)
-    if seq is None or model_config is None:
-        return config, ("activations not counted by `weights` auto: the train dataset's sequence length is "
-                        "unknown (an iterable dataset, or no input_ids); set `device_activation_bytes`")
-    try:
-        terms, _ = device_activations(model_config, config, micro_batch, seq, gradient_checkpointing, True,
-                                      free_device_bytes())
-    except (ValueError, AttributeError, TypeError) as error:  # not a Llama-style config
-        return config, f"activations not counted by `weights` auto ({error}); set `device_activation_bytes`"
-    chosen = config.replace(device_activation_bytes=int(terms.total))
-    return chosen, (f"weights {config.weights} counts {terms.total / 1e9:.3f} GB of activations (the estimate at "
-                    f"{micro_batch} x {seq} tokens, the train dataset's longest of its first samples; "
-                    "`device_activation_bytes` sets it)")
-
-
 def with_recipe_activations(config, recipe: Recipe, model_config, accelerator: bool, num_params: int):
     """`config` with `device_activation_bytes` from the activation estimate, for `weights` "auto"
     or "flow" on an accelerator when the recipe does not give it: what weight-flow's choice counts
-    against the free device memory (engine/flow_choice.py). Otherwise `config` as it is."""
+    against the free device memory (plan/flow.py). Otherwise `config` as it is."""
     given = "device_activation_bytes" in (recipe.superoffload or {})
     if given or not accelerator or config.weights == "stationary" or model_config is None:
         return config
@@ -318,7 +260,7 @@ def recipe_with_activation_bytes(recipe: Recipe) -> tuple[Recipe, Optional[str]]
 
 def activation_lines(model_config, recipe: Recipe, config, accelerator: bool, num_params: int) -> list[str]:
     """The device activations of one micro-batch at the recipe's sequence length
-    (perf/activation_memory.py), term by term, and what `tiled_loss` / `tiled_mlp` decide
+    (plan/activations.py), term by term, and what `tiled_loss` / `tiled_mlp` decide
     (recipe_activations)."""
     t = recipe.training
     batch, seq = int(t.get("per_device_train_batch_size", 8)), int(recipe.data.seq_len)
@@ -338,7 +280,8 @@ def host_check_line(rows, device_is_host: bool, activation_pinned: int = 0,
     """What the engine's check before allocating compares (engine/host_limit.py), against this
     machine's memory now: the host buffers plus the re-plan's transient, plus activation
     offload's pinned pool (`activation_pinned`, reserved before training)."""
-    from superoffload_hf.engine.host_limit import host_bytes, host_memory_left, replan_transient
+    from superoffload_hf.engine.host_limit import host_memory_left
+    from superoffload_hf.plan.memory import host_bytes, replan_transient
 
     transient = replan_transient(rows)
     need = host_bytes(rows, device_is_host) + transient + activation_pinned

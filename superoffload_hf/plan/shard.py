@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from superoffload_hf.engine.plan import Bucket, BucketPlan, ParamSlot
+from superoffload_hf.plan.buckets import Bucket, BucketPlan, ParamSlot
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Which units' weights flow (config `weights`) and how deep the prefetch goes, decided before
-anything is allocated from the layout's device memory (engine/memory.py footprint, the
+anything is allocated from the layout's device memory (plan/memory.py footprint, the
 activations as given) against the device's free memory, and the depth again after the first
 step from the measured link and forward time (engine/core.py _learn).
 
@@ -9,7 +9,9 @@ step from the measured link and forward time (engine/core.py _learn).
 * `choose_depth`: the shallowest prefetch that hides what a deeper one would (`exposed_seconds`,
   a simulation of the forward and backward on one link), within the device memory left.
 
-Pure given the machine's facts (engine/layout.py MachineFacts): no device calls.
+Pure given the machine's facts (plan/layout.py MachineFacts): no device calls. `FlowPlan` (which
+units flow, their bytes, the depth) and the units of a model (`find_units`, `plan_flow`) are
+here too; engine/flow.py runs the plan.
 """
 
 from __future__ import annotations
@@ -19,6 +21,97 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from superoffload_hf.plan.memory import footprint
+
+DEFAULT_DEPTH = 1  # units fetched ahead of the one running
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    name: str
+    params: tuple[int, ...]  # indices into the engine's parameters
+    nbytes: int  # device bytes of its weights
+
+
+@dataclass(frozen=True)
+class FlowPlan:
+    units: tuple[UnitSpec, ...]  # the flowing units, in model order
+    stationary: tuple[str, ...] = ()  # units kept on the device, and why
+    depth: int = DEFAULT_DEPTH
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most flowing weight bytes on the device at once: a unit and the `depth` after it
+        (backward: before it) in model order, or a unit used at both ends (tied) and those."""
+        sizes = [u.nbytes for u in self.units]
+        window = self.depth + 1
+        if not sizes:
+            return 0
+        spans = [sum(sizes[i:i + window]) for i in range(max(1, len(sizes) - window + 1))]
+        return max(spans) + (max(sizes) if any("+" in u.name for u in self.units) else 0)
+
+    def describe(self) -> str:
+        if not self.units:
+            return "weights stationary"
+        kept = f", {len(self.stationary)} stationary" if self.stationary else ""
+        return (f"weights flow: {len(self.units)} units{kept}, prefetch depth {self.depth}, "
+                f"{self.nbytes / 1e6:.3f} MB on the host, <= {self.peak_bytes / 1e6:.3f} MB on the device")
+
+
+def find_units(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
+    """(name, root modules) per unit: each child of the largest ModuleList (by parameters: the
+    decoder blocks), then every other module owning parameters directly, merged where they share
+    a parameter (a tied embedding and head)."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    blocks_name, blocks = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()), default=(None, None))
+    units: list[tuple[str, list[torch.nn.Module]]] = []
+    inside = set()
+    if blocks is not None:
+        for j, block in enumerate(blocks):
+            units.append((f"{blocks_name}.{j}", [block]))
+            inside.update(id(m) for m in block.modules())
+    others: list[tuple[str, list[torch.nn.Module], set]] = []
+    for name, module in model.named_modules():
+        if id(module) in inside or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        owned = {id(p) for p in module.parameters(recurse=False)}
+        merged = next((o for o in others if o[2] & owned), None)
+        if merged is None:
+            others.append((name, [module], owned))
+        else:
+            others[others.index(merged)] = (f"{merged[0]}+{name}", merged[1] + [module], merged[2] | owned)
+    return units + [(name, modules) for name, modules, _ in others]
+
+
+def unit_params(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    seen, params = set(), []
+    for module in modules:
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+def plan_flow(model: torch.nn.Module, params: list[torch.Tensor], depth: int = DEFAULT_DEPTH,
+              element_bytes: Optional[int] = None) -> FlowPlan:
+    """`element_bytes`: of the device dtype (default: as the parameters are now)."""
+    index_of = {id(p): i for i, p in enumerate(params)}
+    flowing, kept = [], []
+    for name, modules in find_units(model):
+        ps = unit_params(modules)
+        if not all(id(p) in index_of and p.requires_grad for p in ps):
+            kept.append(f"{name} (parameters the optimizer does not train)")
+            continue
+        flowing.append(UnitSpec(name, tuple(index_of[id(p)] for p in ps),
+                                sum(p.numel() * (element_bytes or p.element_size()) for p in ps)))
+    return FlowPlan(tuple(flowing), tuple(kept), depth)
+
 
 
 DEVICE_MARGIN_SHARE = 0.05
@@ -64,10 +157,8 @@ def decide_weights(choice: str, plan, stationary_policy, machine, model: Optiona
                    activation_bytes: int = 0, all_ranks_fit: Optional[Callable[[bool], bool]] = None) -> str:
     """"stationary" or "flow" (config `weights`: `choice`) for this run: what the stationary layout
     (`plan` under `stationary_policy`) puts on the device against the device's free memory
-    (`machine`: engine/layout.py MachineFacts) and `activation_bytes`. On the CPU device nothing is checked (the host
+    (`machine`: plan/layout.py MachineFacts) and `activation_bytes`. On the CPU device nothing is checked (the host
     memory check covers it), nor where the device's memory is not known (the dry run's default)."""
-    from superoffload_hf.engine.memory import footprint
-
     if not machine.host_is_device and machine.free_bytes is not None:
         rows = footprint(plan, stationary_policy)
         weight_bytes = sum(r.nbytes for r in rows if r.what == "device params")
@@ -153,10 +244,8 @@ class FlowChoice:
 
 
 def device_peak(units: Sequence[UnitCost], flowing: Sequence[bool], depth: int, other_bytes: int) -> int:
-    """The stationary units' weights, the flowing window (engine/flow.py FlowPlan.peak_bytes: a
+    """The stationary units' weights, the flowing window (FlowPlan.peak_bytes: a
     unit and the `depth` after it in forward order) and `other_bytes`."""
-    from superoffload_hf.engine.flow import FlowPlan, UnitSpec
-
     kept = sum(u.nbytes for u, f in zip(units, flowing) if not f)
     window = FlowPlan(tuple(UnitSpec(u.name, (), u.nbytes) for u, f in zip(units, flowing) if f), (), depth)
     return kept + window.peak_bytes + other_bytes
@@ -275,8 +364,6 @@ def choose_depth(choice: FlowChoice, link_bytes_per_s: float, seconds_per_comput
 def unit_costs(model: torch.nn.Module, specs) -> list[UnitCost]:
     """`specs` (engine/flow.py UnitSpec) as UnitCosts, in forward order (the order the units'
     first modules are registered in: embedding, blocks, norm, head for transformers' models)."""
-    from superoffload_hf.engine.flow import find_units
-
     roots = dict(find_units(model))
     position = {id(m): k for k, m in enumerate(model.modules())}
     costs = []
@@ -296,10 +383,8 @@ def unit_costs(model: torch.nn.Module, specs) -> list[UnitCost]:
 
 
 def flow_plan_of(plan, choice: FlowChoice):
-    """`plan` (every unit that may flow, engine/flow.py FlowPlan) narrowed to the chosen units, in
+    """`plan` (every unit that may flow, FlowPlan) narrowed to the chosen units, in
     forward order, at the chosen depth; the others join its stationary list, with the reason."""
-    from superoffload_hf.engine.flow import FlowPlan
-
     spec_of = {u.name: u for u in plan.units}
     kept = tuple(f"{u.name} (weights auto: fits on the device)" for u, f in zip(choice.units, choice.flowing) if not f)
     return FlowPlan(tuple(spec_of[name] for name in choice.flowing_names), plan.stationary + kept, choice.depth)

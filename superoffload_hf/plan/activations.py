@@ -6,7 +6,7 @@ autograd keeps (and the largest transients of backward) of a transformers Llama-
 gated SiLU MLP, an untied or tied head) and returns `ActivationTerms`, one named term per kind
 of tensor (the dry run prints each) and `total`, the estimated peak. No device call; nothing is
 allocated. Weights, their gradients and the optimizer's buffers are not included
-(engine/memory.py counts those).
+(plan/memory.py counts those).
 
 The model of what is saved, per token and per block, in elements of the model's dtype (`e`
 bytes each) unless said otherwise (h hidden, i intermediate, H heads, K key/value heads, D head
@@ -50,9 +50,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Optional
 
-from superoffload_hf.config import TILED_LOSS_CHUNK_TOKENS, TILED_MLP_CHUNK_TOKENS
+from superoffload_hf.config import AUTO, TILED_AUTO_SHARE, TILED_LOSS_CHUNK_TOKENS, TILED_MLP_CHUNK_TOKENS
+from superoffload_hf.plan.memory import DTYPES
 
 FP32_BYTES = 4
 LOGIT_BYTES = 12  # per logit at the loss's peak, in bf16 and fp32 alike (see the docstring)
@@ -159,3 +160,104 @@ def estimate_activations(config: Any, micro_batch: int, seq_len: int, dtype_byte
     return ActivationTerms(tokens=tokens, checkpointed_inputs=checkpointed, offloaded_inputs=offloaded,
                            attention=attention, mlp=mlp, backward=backward, loss=loss,
                            blocks_live=blocks_live, total=total)
+
+
+# ---- the tiling choice (applied by parallel/tiling.py) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class TilingChoice:
+    loss: bool
+    mlp: bool
+    reason: str
+
+    def describe(self) -> str:
+        on = lambda b: "on" if b else "off"  # noqa: E731
+        return f"tiled loss {on(self.loss)}, tiled MLP {on(self.mlp)} ({self.reason})"
+
+
+def untiled_terms(model_config: Any, micro_batch: int, seq_len: int, dtype_bytes: int) -> tuple[int, int]:
+    """(the loss's logits bytes, one block's MLP intermediate bytes) untiled: what tiling removes."""
+    untiled = estimate_activations(model_config, micro_batch, seq_len, dtype_bytes)
+    tiled = estimate_activations(model_config, micro_batch, seq_len, dtype_bytes, tiled_loss=True, tiled_mlp=True,
+                                 loss_chunk=1, mlp_chunk=1)
+    return untiled.loss - tiled.loss, (untiled.mlp + untiled.backward) - (tiled.mlp + tiled.backward)
+
+
+def choose_tiling(tiled_loss: str, tiled_mlp: str, device_is_host: bool, *, model_config: Any = None,
+                  micro_batch: Optional[int] = None, seq_len: Optional[int] = None, dtype_bytes: int = 2,
+                  free_device_bytes: Optional[int] = None) -> TilingChoice:
+    """The switches' values for one run; "auto" needs the batch's size and the free device memory
+    (else it stays off, saying so)."""
+    if AUTO not in (tiled_loss, tiled_mlp):
+        return TilingChoice(tiled_loss == "on", tiled_mlp == "on", "as configured")
+    if device_is_host:
+        return TilingChoice(tiled_loss == "on", tiled_mlp == "on", "auto: off on the CPU device")
+    if model_config is None or micro_batch is None or seq_len is None or free_device_bytes is None:
+        return TilingChoice(tiled_loss == "on", tiled_mlp == "on", "auto: off, the batch size or free memory unknown")
+    loss_bytes, mlp_bytes = untiled_terms(model_config, micro_batch, seq_len, dtype_bytes)
+    limit = TILED_AUTO_SHARE * free_device_bytes
+    loss = tiled_loss == "on" or (tiled_loss == AUTO and loss_bytes > limit)
+    mlp = tiled_mlp == "on" or (tiled_mlp == AUTO and mlp_bytes > limit)
+    reason = (f"auto at {micro_batch} x {seq_len} tokens: tiling saves {loss_bytes / 1e9:.2f} GB of logits and "
+              f"{mlp_bytes / 1e9:.2f} GB of one block's MLP, against 1/{round(1 / TILED_AUTO_SHARE)} of "
+              f"{free_device_bytes / 1e9:.2f} GB free")
+    return TilingChoice(loss, mlp, reason)
+
+
+# ---- what the activations of a run come to (the dry run, the Trainer's optimizer build) ---------
+
+
+def device_activations(model_config, config, micro_batch: int, seq_len: int, gradient_checkpointing: bool,
+                       accelerator: bool, free_device_bytes: Optional[int]):
+    """(ActivationTerms, TilingChoice) of one micro-batch, with the tiling `tiled_loss` /
+    `tiled_mlp` would choose against `free_device_bytes` (free after the weights)."""
+    dtype_bytes = DTYPES[config.device_dtype].itemsize
+    choice = choose_tiling(config.tiled_loss, config.tiled_mlp, not accelerator, model_config=model_config,
+                           micro_batch=micro_batch, seq_len=seq_len, dtype_bytes=dtype_bytes,
+                           free_device_bytes=free_device_bytes)
+    terms = estimate_activations(model_config, micro_batch, seq_len, dtype_bytes,
+                                 gradient_checkpointing=gradient_checkpointing,
+                                 tiled_loss=choice.loss, tiled_mlp=choice.mlp,
+                                 loss_chunk=config.tiled_loss_chunk_tokens, mlp_chunk=config.tiled_mlp_chunk_tokens)
+    return terms, choice
+
+
+def dataset_seq_len(dataset, samples: int = 64) -> Optional[int]:
+    """The longest `input_ids` among the first `samples` of a map-style dataset (what a padding
+    collator makes a batch's length); None for an iterable dataset or samples without input_ids."""
+    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        return None
+    lengths = []
+    for i in range(min(len(dataset), samples)):
+        item = dataset[i]
+        ids = item.get("input_ids") if isinstance(item, dict) else None
+        if ids is None:
+            return None
+        lengths.append(len(ids))
+    return max(lengths, default=None)
+
+
+def with_trainer_activations(config, explicit: dict, model, micro_batch: int, gradient_checkpointing: bool,
+                             dataset, free_device_bytes) -> tuple[Any, Optional[str]]:
+    """The Trainer's counterpart of `with_recipe_activations`: `config` with `device_activation_bytes`
+    estimated at `micro_batch` x the train dataset's longest sequence among its first samples, for
+    `weights` "auto" or "flow" on an accelerator when the user did not set it, and a line saying
+    so (None: unchanged). `free_device_bytes()`: free device memory now (the weights are there)."""
+    accelerator = next(model.parameters()).device.type != "cpu"
+    if "device_activation_bytes" in explicit or not accelerator or config.weights == "stationary":
+        return config, None
+    seq = dataset_seq_len(dataset)
+    model_config = getattr(model, "config", None)
+    if seq is None or model_config is None:
+        return config, ("activations not counted by `weights` auto: the train dataset's sequence length is "
+                        "unknown (an iterable dataset, or no input_ids); set `device_activation_bytes`")
+    try:
+        terms, _ = device_activations(model_config, config, micro_batch, seq, gradient_checkpointing, True,
+                                      free_device_bytes())
+    except (ValueError, AttributeError, TypeError) as error:  # not a Llama-style config
+        return config, f"activations not counted by `weights` auto ({error}); set `device_activation_bytes`"
+    chosen = config.replace(device_activation_bytes=int(terms.total))
+    return chosen, (f"weights {config.weights} counts {terms.total / 1e9:.3f} GB of activations (the estimate at "
+                    f"{micro_batch} x {seq} tokens, the train dataset's longest of its first samples; "
+                    "`device_activation_bytes` sets it)")

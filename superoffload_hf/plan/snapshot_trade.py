@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from superoffload_hf.engine.memory import BufferPolicy, _size
-from superoffload_hf.engine.plan import BucketPlan
+from superoffload_hf.plan.memory import BufferPolicy, _size
+from superoffload_hf.plan.buckets import BucketPlan
 
 
 @dataclass(frozen=True)
@@ -115,24 +115,3 @@ def _trade(sizes: Sequence[int], indices: Sequence[int], count: int, full: int, 
                          snapshot_bytes=taken,
                          full_snapshot_bytes=full, copy_bytes_per_step=2 * taken if copy_bytes is None else copy_bytes, copy_seconds_per_step=copy_s,
                          backward_seconds=backward_s, reason=reason, applies=applies)
-
-
-def engine_trade(plan: BucketPlan, policy: BufferPolicy, mode: str, runtime, *, check_memory: bool,
-                 held_bytes: int = 0, host_budget: Optional[int] = None, host_bytes_per_second: Optional[float] = None,
-                 backward_seconds: Optional[float] = None) -> SnapshotTrade:
-    """The engine's decision for `plan` before it allocates it: the memory this process may use
-    now (engine/host_limit.py; `host_budget`: config `host_memory_budget`) plus `held_bytes` (what the engine holds and a re-plan frees)
-    against the plan's footprint without snapshots and its re-plan transient."""
-    from superoffload_hf.engine.host_limit import host_bytes, host_memory_left, replan_transient
-    from superoffload_hf.engine.memory import footprint
-
-    memory_left, other = None, 0
-    if check_memory and policy.compact and mode == "auto":
-        left = host_memory_left(runtime, host_budget)
-        if left is not None:
-            rows = footprint(plan, policy, frozenset())
-            memory_left = left[0] + held_bytes
-            other = host_bytes(rows, runtime.host_is_device) + replan_transient(rows)
-    return snapshot_trade(plan, policy, mode, memory_left=memory_left, other_bytes=other,
-                          host_bytes_per_second=host_bytes_per_second, backward_seconds=backward_seconds,
-                          overlaps=not runtime.host_is_device)

@@ -305,10 +305,10 @@ def candidate_bucket_numels(num_params: int, sizes_mb: Sequence[float] = BUCKET_
                             host_is_device: bool = False) -> list[int]:
     """Bucket sizes (elements) that give the model at least MIN_BUCKETS buckets; a small model
     gets one size, num_params / MIN_BUCKETS. Where the host is the device, the engine's own rule
-    (engine/plan.py auto_bucket_numel, never shrunk): its host jobs run inline after backward, so
+    (plan/buckets.py auto_bucket_numel, never shrunk): its host jobs run inline after backward, so
     more buckets overlap nothing and only cost Python time per step, which this model leaves out."""
     if host_is_device:
-        from superoffload_hf.engine.plan import auto_bucket_numel
+        from superoffload_hf.plan.buckets import auto_bucket_numel
 
         sizes = ["auto"] if tuple(sizes_mb) == BUCKET_SIZES_MB else list(sizes_mb)
         return sorted({auto_bucket_numel(mb, num_params, min_buckets=1) for mb in sizes})

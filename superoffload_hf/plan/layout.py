@@ -1,8 +1,8 @@
 """The engine's layout decisions, as one frozen value (`Layout`, DESIGN.md section 6): device
 dtype, cast location, state precision, bucket size and plan, device buckets, buffer policy and
 which units' weights flow; computed once by `decide_layout` from the parameters, the config and
-the machine's facts (`machine_facts` measures them: the only device calls here), and the re-plan
-after the first step from what the hooks actually did (`Layout.learned`).
+the machine's facts (engine/measure.py `machine_facts` measures them; nothing here calls the
+device), and the re-plan after the first step from what the hooks actually did (`Layout.learned`).
 
 Rules (the "auto" choices of SuperOffloadConfig):
 
@@ -12,7 +12,7 @@ Rules (the "auto" choices of SuperOffloadConfig):
 * device_buckets and bucket_size_mb "auto": 0 device buckets when the device is the CPU, and
   (one process) buckets of 32 MB however small the model: host jobs run inline after backward
   there, so more buckets overlap nothing and each costs Python time per step. On an
-  accelerator both are chosen after the first step by the cost model (perf/cost_model.py) fed
+  accelerator both are chosen after the first step by the cost model (plan/cost_model.py) fed
   with that step's host-clock measurements (engine/autoplan.py: backward time from the gradient
   hooks, host Adam rate, link bandwidth, device Adam rate): at most half of the buckets stay on
   the device (offloading stays the point), and only as many of the last buckets as fit, with
@@ -29,94 +29,31 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, TYPE_CHECKING, Mapping, Optional
 
 import torch
 
-from superoffload_hf.engine.memory import BufferPolicy, FootprintRow, footprint
-from superoffload_hf.engine.plan import AUTO_MIN_BUCKETS, BucketPlan, auto_bucket_numel
+from superoffload_hf.plan.memory import DTYPES, NORM_CHUNK, BufferPolicy, FootprintRow, footprint
+from superoffload_hf.plan.buckets import AUTO_MIN_BUCKETS, BucketPlan, auto_bucket_numel
 
 if TYPE_CHECKING:
-    from superoffload_hf.engine.flow import FlowPlan
-    from superoffload_hf.engine.flow_choice import FlowChoice
+    from superoffload_hf.plan.flow import FlowChoice, FlowPlan
 
 logger = logging.getLogger("superoffload_hf")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FAST_LINK_GBPS = 100.0
 DEVICE_MEMORY_FRACTION = 0.25
 DEVICE_BYTES_PER_ELEMENT = 16
 
 
-class FireLog:
-    """What the hooks did during the first step.
-
-    Times are host-clock seconds until `use_device_times()`: on an asynchronous device the hooks
-    run when autograd *issues* the work (on CUDA up to ~1000 kernels ahead of the device), so the
-    host clock measures the CPU. There, each hook call also records a timing event on the current
-    (compute) stream, and `use_device_times()` replaces the times by the device's once those
-    events have completed."""
-
-    def __init__(self, num_params: int, runtime=None):
-        self.order: list[int] = []
-        self.first_fired: dict[int, float] = {}  # index -> when its first gradient arrived
-        self.counts = [0] * num_params
-        self.first_time: Optional[float] = None
-        self.last_time: Optional[float] = None
-        self._runtime = runtime if runtime is not None and runtime.is_async else None
-        self._first_events: dict = {}  # index -> timing event recorded at its first gradient
-        self._last_event = None
-
-    def record(self, index: int) -> None:
-        now = time.perf_counter()
-        event = None
-        if self._runtime is not None:  # marks where the device's compute stream is at this hook
-            event = self._runtime.new_event(timing=True)
-            event.record(self._runtime.current_stream())
-            self._last_event = event
-        if self.counts[index] == 0:
-            self.order.append(index)
-            self.first_fired[index] = now
-            if event is not None:
-                self._first_events[index] = event
-        self.counts[index] += 1
-        self.first_time = now if self.first_time is None else self.first_time
-        self.last_time = now
-
-    def use_device_times(self) -> bool:
-        """Replace the host times by device seconds since the first gradient's event, when every
-        event has completed (read without blocking: the caller waited for the compute stream
-        since). Returns whether it did."""
-        if not self._first_events:
-            return False
-        events = [*self._first_events.values(), self._last_event]
-        if not all(e.query() for e in events):
-            return False
-        start = self._first_events[self.order[0]]
-        self.first_fired = {i: start.elapsed_time(e) / 1000.0 for i, e in self._first_events.items()}
-        self.first_time, self.last_time = 0.0, start.elapsed_time(self._last_event) / 1000.0
-        self._first_events, self._last_event = {}, None
-        return True
-
-    def deferred(self) -> list[int]:
-        fired = [c for c in self.counts if c > 0]
-        typical = Counter(fired).most_common(1)[0][0] if fired else 1
-        return [i for i, c in enumerate(self.counts) if c != typical]
-
-    @property
-    def seconds(self) -> float:
-        return (self.last_time - self.first_time) if self.first_time is not None else 0.0
-
-
 @dataclass(frozen=True)
 class MachineFacts:
-    """What the layout is decided from about this machine (`machine_facts` measures it; the dry
-    run states it). `free_bytes` / `total_bytes`: device memory (None where the device is the host:
-    nothing to decide there); `params_counted`: `free_bytes` already excludes the model's weights
-    (the simulated device counts a parameter from adopt() on; a real device holds the model now)."""
+    """What the layout is decided from about this machine (engine/measure.py `machine_facts`
+    measures it; the dry run states it). `free_bytes` / `total_bytes`: device memory (None where
+    the device is the host: nothing to decide there); `params_counted`: `free_bytes` already
+    excludes the model's weights (the simulated device counts a parameter from adopt() on; a real
+    device holds the model now)."""
 
     device_type: str = "cpu"
     host_is_device: bool = True
@@ -128,7 +65,7 @@ class MachineFacts:
     free_bytes: Optional[int] = None
     total_bytes: Optional[int] = None
     params_counted: bool = False
-    margin_bytes: int = 0  # device memory `weights: auto` leaves free (engine/flow_choice.py device_margin)
+    margin_bytes: int = 0  # device memory `weights: auto` leaves free (plan/flow.py device_margin)
 
     @property
     def inline_host(self) -> bool:
@@ -141,24 +78,6 @@ class MachineFacts:
         return self.asynchronous and self.device_type != "cpu"
 
 
-def machine_facts(runtime, transfer, config, shard_world: Optional[int] = None) -> MachineFacts:
-    """Measure what the layout needs, once, before anything is allocated: the link (where cast
-    "auto" or weight-flow's prefetch depth needs it, on an accelerator) and the device's memory."""
-    facts = MachineFacts(device_type=runtime.device.type, host_is_device=runtime.host_is_device,
-                         asynchronous=transfer.is_async, pin=transfer.pin_memory,
-                         rounds_pinned=runtime.pinned_rounds_to_power_of_two, shard_world=shard_world,
-                         params_counted=getattr(runtime, "counts_params_at_adopt", False))
-    changes = {}
-    if facts.accelerator and (config.cast == "auto" or config.weights != "stationary"):
-        changes["h2d_gbps"] = transfer.measure_h2d_gbps()
-    if not runtime.host_is_device:
-        from superoffload_hf.engine.flow_choice import device_margin
-
-        changes["free_bytes"], changes["total_bytes"] = (int(b) for b in runtime.memory_info())
-        changes["margin_bytes"] = device_margin(changes["total_bytes"], runtime.allocator_slack())
-    return dataclasses.replace(facts, **changes)
-
-
 @dataclass(frozen=True)
 class Layout:
     """What the engine does with each parameter, decided once (`decide_layout`) from the
@@ -166,7 +85,7 @@ class Layout:
     the device dtype, where the cast happens, the host state's precision, the bucket plan (which
     parameters form which bucket, which buckets stay on the device), the buffer policy (which
     buffers exist, their dtypes, page-locked or not) and which units' weights flow from the host
-    at which prefetch depth (engine/flow.py, engine/flow_choice.py). Printed by the dry run and
+    at which prefetch depth (engine/flow.py, plan/flow.py). Printed by the dry run and
     `describe()`, stored in checkpoints (`to_dict`), compared on load (`differences`). The plan
     changes after the first step (the order the hooks fired in): `learned` returns the new value."""
 
@@ -213,8 +132,9 @@ class Layout:
     def with_plan(self, plan: BucketPlan) -> "Layout":
         return dataclasses.replace(self, bucket_plan=plan, bucket_numel=plan.bucket_numel)
 
-    def learned(self, config, log: FireLog, choice, free_device_bytes: int) -> "Layout":
-        """The layout with the plan in the order the first step's hooks fired. `choice`: the cost
+    def learned(self, config, log, choice, free_device_bytes: int) -> "Layout":
+        """The layout with the plan in the order the first step's hooks fired (`log`: what they
+        did, engine/measure.py FireLog: its `order` and `deferred()`). `choice`: the cost
         model's plan (engine/autoplan.py) on an accelerator, None on the CPU; it sets the "auto"
         bucket size and device-resident buckets, the latter only as many of the last buckets as
         fit, with their real sizes, in DEVICE_MEMORY_FRACTION of the free device memory."""
@@ -325,7 +245,7 @@ def decide_layout(params: list[torch.Tensor], groups: list[dict], config, machin
     initial = layout.plan(0 if n == "auto" else n)
     # decided from the stationary layout's memory (flow needs the model); data parallel: on every
     # rank's device, one decision for all (`all_ranks_fit`, a collective every rank calls)
-    from superoffload_hf.engine.flow_choice import decide_weights
+    from superoffload_hf.plan.flow import decide_weights
 
     stationary = layout.policy if machine.shard_world is None else buffer_policy(
         config, dtype, cast, machine, False, steps, shard_world=machine.shard_world)
@@ -350,8 +270,7 @@ def place_weights(config, model, params, plan: BucketPlan, policy: BufferPolicy,
     fewest that fit the device's free memory with the engine's device buffers under `policy` and
     the activations (config `device_activation_bytes`). Prefetch depth 1 until the first step has
     measured the link and the forward (engine/core.py _learn)."""
-    from superoffload_hf.engine.flow import plan_flow
-    from superoffload_hf.engine.flow_choice import choose_flow, flow_plan_of, unit_costs
+    from superoffload_hf.plan.flow import choose_flow, flow_plan_of, plan_flow, unit_costs
 
     every = plan_flow(model, params, element_bytes=policy.device_dtype.itemsize)
     rows = footprint(plan, policy)
@@ -411,17 +330,9 @@ def buffer_policy(config, dtype: torch.dtype, cast: str, machine: MachineFacts, 
                                               and shard_world is None and not flow))
 
 
-def cast_params_in_place(params: list[torch.Tensor], dtype: torch.dtype) -> None:
-    for p in params:
-        if p.dtype != dtype:
-            p.data = p.data.to(dtype)
-
-
 def device_bucket_bytes(numel: int) -> int:
     """Device bytes a device-resident bucket of `numel` elements holds at rest (fp32 master,
     moments and gradient) plus its step's transients (the chunked float64 norm)."""
-    from superoffload_hf.engine.stepper import NORM_CHUNK
-
     return DEVICE_BYTES_PER_ELEMENT * numel + 8 * min(numel, NORM_CHUNK)
 
 
@@ -480,7 +391,7 @@ def dry_run_machine(accelerator: bool, pin_memory, shard_world: Optional[int] = 
 def estimate_layout(params: list[torch.Tensor], groups: list[dict], config, accelerator: bool,
                     accumulation_steps: int = 1, shard_world: Optional[int] = None) -> tuple[BucketPlan, BufferPolicy]:
     """The first plan and the buffer policy of `estimate` (the dry run also decides the snapshot
-    trade from them, engine/snapshot_trade.py): `decide_layout` on the dry run's machine, with
+    trade from them, plan/snapshot_trade.py): `decide_layout` on the dry run's machine, with
     the weights stationary (the dry run prints the weight-flow lines of its own: flow adds no
     host buffer, it streams the copy the host Adam writes)."""
     machine = dry_run_machine(accelerator, config.pin_memory, shard_world)

@@ -1,5 +1,6 @@
-"""Where the bytes go: the buffers a plan needs, per kind and place, and the host arenas that
-hold them. The same code sizes the allocations (`HostArena`, `BucketSet`) and the estimate that
+"""Where the bytes go: the buffers a plan needs, per kind and place, and the layout of the host
+arenas that hold them (pure: the arenas themselves and the Ledger are engine/arenas.py). The same
+code sizes the allocations (`HostArena`, `BucketSet`) and the estimate that
 `superoffload train --dry-run` and `optimizer.describe()` print (`footprint`), so the two cannot
 drift apart.
 
@@ -42,16 +43,13 @@ device is the host and nothing is pinned.
 
 from __future__ import annotations
 
-import time
-import weakref
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from superoffload_hf.engine.plan import BucketPlan
-from superoffload_hf.engine.shard import shard_numel
+from superoffload_hf.plan.buckets import BucketPlan
+from superoffload_hf.plan.shard import shard_numel
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel, spec_of
 
 ALIGN_NUMEL = 64  # every bucket starts 64 elements (>= one cache line, any dtype) into its arena
@@ -61,17 +59,20 @@ COMPACT_KINDS = ("master_bf16", "master_err", "exp_avg_q", "exp_avg_scale", "exp
 SCALE_KINDS = ("exp_avg_scale", "exp_avg_sq_scale")  # one element per group of COMPACT_GROUP
 HOST_KINDS = STATE_KINDS + ("grad", "lowp")
 FP32 = torch.float32
+# config `device_dtype` -> the device copy's dtype
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NORM_CHUNK = 1 << 22  # elements: bounds the float64 transient of a device norm to 32 MB (engine/stepper.py)
 ALL_GATHERS_LIVE = 1  # data parallel: all-gather buffer pairs (flat bucket + shard), reused (engine/dp.py)
 
 
 def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
 class BufferPolicy:
     """The engine's decisions that fix which buffers exist, their dtypes and whether they are
-    page-locked (from the config and the runtime; see engine/layout.py decide_layout)."""
+    page-locked (from the config and the runtime; see plan/layout.py decide_layout)."""
 
     device_dtype: torch.dtype
     link_dtype: torch.dtype  # the dtype in which gradients cross to the host
@@ -157,7 +158,7 @@ class BufferPolicy:
         return self.link_dtype != FP32 or self.accumulates
 
 
-# ---- arenas ----------------------------------------------------------------------------------
+# ---- arena layout ----------------------------------------------------------------------------------
 
 
 def _aligned(numel: int) -> int:
@@ -194,72 +195,6 @@ def arena_layout(numels: Sequence[int], power_of_two: bool = False) -> tuple[lis
     return segments, places
 
 
-class Ledger:
-    """The engine's own accounting of the buffers it holds: live and peak bytes per
-    (kind, place). A buffer counts from its allocation until the engine drops it."""
-
-    def __init__(self):
-        self.live: dict[tuple[str, str], int] = defaultdict(int)
-        self.peak_total = 0
-        self.peak: dict[str, int] = defaultdict(int)  # per place
-        self.pin_seconds = 0.0  # spent allocating page-locked buffers (the driver pins every page)
-
-    def allocate(self, runtime, kind: str, place: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        start = time.perf_counter()
-        try:
-            if place == "device":
-                t = runtime.device_empty(numel, dtype)
-            else:
-                t = runtime.host_empty(numel, dtype, pinned=place == "pinned")
-        except (MemoryError, torch.OutOfMemoryError) as e:
-            raise type(e)(f"{e}\nAllocating {kind} ({place}, {numel} x {dtype}) on top of what the engine "
-                          f"holds now:\n{self.table()}") from e
-        if place == "pinned":
-            self.pin_seconds += time.perf_counter() - start
-        nbytes = numel * t.element_size()
-        self._add(kind, place, nbytes)
-        weakref.finalize(t, self._add, kind, place, -nbytes)
-        return t
-
-    def _add(self, kind: str, place: str, nbytes: int) -> None:
-        self.live[(kind, place)] += nbytes
-        self.peak[place] = max(self.peak[place], self.bytes(place))
-        self.peak_total = max(self.peak_total, self.bytes())
-
-    def bytes(self, place: Optional[str] = None, kind: Optional[str] = None) -> int:
-        return sum(b for (k, p), b in self.live.items()
-                   if (place is None or p == place) and (kind is None or k == kind))
-
-    def table(self) -> str:
-        """What the engine holds, per (kind, place), in GB."""
-        lines = [f"  {'buffer':<26}{'place':<8}{'GB':>10}"]
-        for (kind, place), nbytes in sorted(self.live.items()):
-            if nbytes:
-                lines.append(f"  {kind:<26}{place:<8}{nbytes / 1e9:>10.3f}")
-        lines.append(f"  {'total':<34}{self.bytes() / 1e9:>10.3f}")
-        return "\n".join(lines)
-
-    def reset_peak(self) -> None:
-        self.peak = defaultdict(int, {p: self.bytes(p) for _, p in self.live})
-        self.peak_total = self.bytes()
-
-
-class HostArena:
-    """One kind's host buffer for every host bucket of a plan; `view(k)` is host bucket k's."""
-
-    def __init__(self, kind: str, numels: Sequence[int], dtype: torch.dtype, pinned: bool,
-                 power_of_two: bool, runtime, ledger: Ledger):
-        self.kind = kind
-        self.numels = list(numels)
-        segments, self.places = arena_layout(self.numels, power_of_two and pinned)
-        place = "pinned" if pinned else "host"
-        self.segments = [ledger.allocate(runtime, kind, place, n, dtype) for n in segments]
-
-    def view(self, k: int) -> torch.Tensor:
-        segment, offset = self.places[k]
-        return self.segments[segment][offset:offset + self.numels[k]]
-
-
 # ---- the estimate ----------------------------------------------------------------------------
 
 
@@ -284,7 +219,7 @@ def footprint(plan: BucketPlan, policy: BufferPolicy, snapshot_buckets: Optional
     """What the engine allocates for `plan` under `policy`, row by row (the allocation's own
     arithmetic: `arena_layout`, the buffer kinds of `policy`, and `policy.host_numel`: the
     per-rank shard of each host bucket under data parallelism). `snapshot_buckets`: the indices
-    of the buckets that may speculate and so keep a snapshot (engine/snapshot_trade.py); None: all."""
+    of the buckets that may speculate and so keep a snapshot (plan/snapshot_trade.py); None: all."""
     host_buckets = [b for b in plan.buckets if not b.device_resident]
     host = [policy.host_numel(b.numel) for b in host_buckets]
     on_device = sum(b.numel for b in plan.buckets if b.device_resident)
@@ -354,6 +289,27 @@ def _data_parallel_rows(host_buckets, shards: Sequence[int], policy: BufferPolic
     return [FootprintRow(what, "device", nbytes, transient=True),
             FootprintRow("reduce-scatter shard", "device", max(shards) * link, transient=True),
             FootprintRow("all-gather", "device", gathered)]
+
+
+HOST_PLACES = ("pinned", "host")
+SCRATCH_ROWS = ("grad staging", "grad landing", "grad landing (spare)")  # footprint rows of buckets.SCRATCH_KINDS
+CALLERS_ROWS = ("device params",)  # allocated by the caller before the optimizer exists
+
+
+def host_bytes(rows: Sequence[FootprintRow], host_is_device: bool) -> int:
+    """Host bytes the engine allocates for a footprint: pinned and plain host rows, and the
+    device's where the device is this host (the CPU runtime), but not the parameters."""
+    places = HOST_PLACES + (("device",) if host_is_device else ())
+    return sum(r.nbytes for r in rows if r.place in places and r.what not in CALLERS_ROWS)
+
+
+def replan_transient(rows: Sequence[FootprintRow]) -> int:
+    """What a re-plan holds on top of the state at rest (engine/buckets.py BucketSet.replan): it
+    frees the gradient staging and landing arenas first, then allocates each kind's new arena
+    before the old one goes: the largest state arena less the scratch arenas freed."""
+    host = [r for r in rows if r.place in HOST_PLACES and not r.transient]
+    largest = max((r.nbytes for r in host if r.what not in SCRATCH_ROWS), default=0)
+    return max(0, largest - sum(r.nbytes for r in host if r.what in SCRATCH_ROWS))
 
 
 def format_footprint(rows: Sequence[FootprintRow], num_params: int) -> str:
