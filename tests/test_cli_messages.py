@@ -75,3 +75,32 @@ def test_an_unknown_training_key_is_one_short_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) <= 210, (len(err), err)
     assert "Unknown key `training.mixed_precison`" in err and "superoffload train --help" in err, err
+
+
+@pytest.mark.parametrize("where", ["command line", "recipe file"])
+def test_a_bad_recipe_key_is_reported_before_torch_and_transformers_load(where, tmp_path):
+    # A fresh interpreter: this one has torch loaded already. Before, the report came after the
+    # ~3-10 s import of transformers (the training keys were read from TrainingArguments).
+    import subprocess
+    import sys
+
+    recipe, extra = TINY, ["--training.bogus_key", "1"]
+    if where == "recipe file":
+        recipe, extra = str(tmp_path / "r.yaml"), []
+        Path(recipe).write_text(f"base: {TINY}\ntraining:\n  bogus_key: 1\n")
+    code = ("import sys; from superoffload_hf.cli import main; "
+            f"rc = main(['train', {recipe!r}, *{extra!r}]); "
+            "print(rc, sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.stdout.strip() == "2 []", (done.stdout, done.stderr)
+    blamed = "on the command line" if where == "command line" else recipe
+    assert done.stderr.startswith(f"superoffload train: error: {blamed}: Unknown key `training.bogus_key`"), done.stderr
+
+
+def test_the_training_keys_read_without_transformers_are_the_training_arguments_fields():
+    import dataclasses
+
+    from superoffload_hf.integrations.trainer import TrainingArguments
+    from superoffload_hf.train.schema import training_argument_names
+
+    assert training_argument_names() == frozenset(f.name for f in dataclasses.fields(TrainingArguments) if f.init)

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import yaml
 
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
+from superoffload_hf.train.schema import training_argument_names
 from superoffload_hf.yaml12 import load_yaml as parse_yaml
 
 SECTIONS = ("model", "tokenizer", "data", "training", "superoffload")
@@ -591,6 +592,7 @@ def recipe_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Recipe:
     for section in ("model", "data", "training"):
         if section not in raw:
             raise RecipeError(f"Missing section `{section}:`; every recipe has {list(SECTIONS)} (tokenizer and superoffload optional).")
+    check_section_keys(raw)
     recipe = Recipe(
         model=_section_from_mapping(ModelSpec, "model", raw["model"]),
         tokenizer=_section_from_mapping(TokenizerSpec, "tokenizer", raw.get("tokenizer") or {}),
@@ -602,6 +604,17 @@ def recipe_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Recipe:
     )
     _check_cross_section(recipe)
     return recipe
+
+
+def check_section_keys(raw: Mapping[str, Any]) -> None:
+    """Unknown keys of every section, before the checks that import transformers (seconds)."""
+    for section, cls in (("model", ModelSpec), ("tokenizer", TokenizerSpec), ("data", DataSpec)):
+        if isinstance(raw.get(section), Mapping):
+            check_keys(section, raw[section], [f.name for f in dataclasses.fields(cls) if f.init])
+    training_names = training_argument_names()
+    if training_names is not None and isinstance(raw["training"], Mapping):
+        check_keys("training", checkpointing_keys(raw["training"], training_names), list(training_names))
+    validate_superoffload(raw.get("superoffload", {}))
 
 
 def _superoffload_warnings(values: Any) -> tuple:
