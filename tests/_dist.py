@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import socket
 import sys
 import tempfile
 import time
@@ -111,3 +112,10 @@ def run_ranks(fn: Callable, world: int, *args, deadline_s: float = DEFAULT_DEADL
         if problem:
             raise AssertionError(f"the ranks' collectives: {problem}")
     return [value for _, value, *_ in results]
+
+
+def free_port() -> int:
+    """A port no one listens on now (pid-derived ports collided between concurrent test runs)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
+from _dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -66,13 +67,6 @@ def accelerate_config(tmp_path: Path, processes: int, superoffload: bool, block:
     path = tmp_path / f"accelerate-{processes}-{superoffload}-{len(block)}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def free_port() -> int:
-    """A port no one listens on now (pid-derived ports collided between concurrent test runs)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run(cmd: list, cwd: Path, timeout_s: float = 240, processes: int = 1) -> str:

@@ -23,6 +23,7 @@ from superoffload_hf.integrations import autopatch, launch_env, launcher
 from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptimizer
 from superoffload_hf.integrations.callback import LOG_PREFIX
 
+from _dist import free_port
 from _models import tiny_batch, tiny_llama
 from _readme import from_anywhere, shown_commands
 
@@ -251,7 +252,8 @@ def test_launch_with_two_processes_on_a_machine_without_gpus_trains_two_data_par
     monkeypatch.chdir(tmp_path)
     environ, handlers = dict(os.environ), [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     code = launcher.main([
-        "--config_file", str(CPU_CONFIG), "--num_processes", "2", str(STOCK_SCRIPT), "--output_dir", str(output),
+        "--config_file", str(CPU_CONFIG), "--num_processes", "2", "--main_process_port", str(free_port()),
+        str(STOCK_SCRIPT), "--output_dir", str(output),
         "--max_steps", "2", "--save_steps", "2", "--per_device_train_batch_size", "2", "--report_to", "none",
         "--use_cpu", "--disable_tqdm", "true"])
     streams = capfd.readouterr()
