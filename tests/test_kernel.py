@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -201,3 +202,25 @@ def test_forked_child_gets_its_own_thread_pool(cpp_adam):
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung on the kernel's thread pool")
+
+
+def test_a_call_returns_without_waiting_for_a_worker_that_never_started(cpp_adam, grace_adam_extension):
+    # On a busy machine a pool worker can wait a scheduler slice for a core after the call is
+    # published (issue 30 item 6): the caller claims every chunk itself meanwhile and must not
+    # then wait for that worker to wake up only to find no work left.
+    adam = cpp_adam("scalar", threads=2)
+    p, m, v, g = random_state(8 * 16384, seed=3)
+    want, got = clone_all((p, m, v)), clone_all((p, m, v))
+    adam.adam_step_(*want, g, **HYPERS[1])
+    done = threading.Event()
+    grace_adam_extension.hold_pool_workers(True)
+    try:
+        caller = threading.Thread(target=lambda: (adam.adam_step_(*got, g, **HYPERS[1]), done.set()), daemon=True)
+        caller.start()
+        finished = done.wait(30)  # not a timing: the held worker never takes part until released
+    finally:
+        grace_adam_extension.hold_pool_workers(False)
+        caller.join()
+    assert finished, "the call waited for a pool worker that had not started"
+    for a, b in zip(got, want):  # the caller alone ran the same chunks: bitwise the same
+        assert torch.equal(a, b)

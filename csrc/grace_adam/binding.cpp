@@ -646,6 +646,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              py::arg("dst"), py::arg("src"));
   module.def("set_num_threads", &set_num_threads, "Resize this process's kernel thread pool.", py::arg("threads"));
   module.def("get_num_threads", &get_num_threads, "Size of this process's kernel thread pool.");
+  module.def(
+      "hold_pool_workers", [](bool held) { pool().hold_workers(held); },
+      "For tests: while held, the pool's workers do not start on a call's chunks (as if not scheduled).",
+      py::arg("held"));
   module.def("best_isa", [] { return static_cast<int64_t>(best_isa()); });
   module.def(
       "isa_supported",

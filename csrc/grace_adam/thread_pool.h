@@ -5,6 +5,9 @@
 // their parallel region; other processes) does less of the work instead of holding up the call.
 // Chunk boundaries depend only on n, the grain and the pool size, never on which thread runs a
 // chunk, so results that depend on them (sum_squares' blocks) are the same whatever the timing.
+// A worker takes part only if it wakes while the caller is still claiming chunks: once the caller
+// finds none left it closes the call and waits only for the workers that joined, never for one the
+// OS has not scheduled yet (on a busy machine that wait was a scheduler slice per call, issue 30).
 // The call returns when every chunk is done and rethrows the first exception any chunk threw. One
 // parallel_for runs at a time (concurrent callers queue). Its size is set explicitly, never from
 // OMP_NUM_THREADS.
@@ -35,6 +38,16 @@ class ThreadPool {
 
   int size() const { return size_.load(); }
 
+  // For tests: while held, a worker that wakes for a job waits before taking part in it, as one
+  // the OS has not scheduled yet would.
+  void hold_workers(bool held) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_ = held;
+    }
+    work_ready_.notify_all();
+  }
+
   void resize(int threads) {
     const int size_new = checked_size(threads);
     std::lock_guard<std::mutex> one_run(run_mutex_);
@@ -53,10 +66,10 @@ class ThreadPool {
     if (threads == 1) return fn(0, n);
     const int64_t chunks_wanted = static_cast<int64_t>(threads) * kChunksPerThread;
     const int64_t chunk = (grains + chunks_wanted - 1) / chunks_wanted * grain;
-    next_chunk_.store(0);  // every worker of the previous job has reported back: nobody claims now
+    next_chunk_.store(0);  // the previous job is closed and its joined workers are back: nobody claims now
     publish(Job{&fn, n, chunk, (n + chunk - 1) / chunk, threads});
     run_chunks();
-    wait_and_rethrow();
+    close_and_rethrow();
   }
 
  private:
@@ -96,7 +109,7 @@ class ThreadPool {
   void publish(const Job& job) {
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = job;
-    pending_ = job.threads - 1;
+    open_ = true;
     error_ = nullptr;
     ++generation_;
     work_ready_.notify_all();
@@ -116,9 +129,11 @@ class ThreadPool {
     }
   }
 
-  void wait_and_rethrow() {
+  // Every chunk is claimed: no worker joins from now on; wait for those running chunks.
+  void close_and_rethrow() {
     std::unique_lock<std::mutex> lock(mutex_);
-    all_done_.wait(lock, [this] { return pending_ == 0; });
+    open_ = false;
+    all_done_.wait(lock, [this] { return joined_ == 0; });
     if (error_) std::rethrow_exception(error_);
   }
 
@@ -126,13 +141,15 @@ class ThreadPool {
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
       work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+      work_ready_.wait(lock, [&] { return stopping_ || !held_; });
       if (stopping_) return;
       seen = generation_;
-      if (index >= job_.threads) continue;
+      if (!open_ || index >= job_.threads) continue;
+      ++joined_;
       lock.unlock();
-      run_chunks();  // job_ and next_chunk_ are not rewritten until every worker has reported back
+      run_chunks();  // job_ and next_chunk_ are not rewritten until every joined worker is back
       lock.lock();
-      if (--pending_ == 0) all_done_.notify_one();
+      if (--joined_ == 0) all_done_.notify_one();
     }
   }
 
@@ -144,8 +161,10 @@ class ThreadPool {
   std::atomic<int64_t> next_chunk_{0};  // the next chunk of job_ to claim
   Job job_;
   uint64_t generation_ = 0;
-  int pending_ = 0;
+  bool open_ = false;  // the current job still takes workers
+  int joined_ = 0;     // workers running chunks of the current job
   bool stopping_ = false;
+  bool held_ = false;
   std::exception_ptr error_;
 };
 
