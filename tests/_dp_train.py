@@ -330,7 +330,9 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
             return originals[name](*args, **kwargs)
         return call
 
-    gather_back = dp_module.DataParallel.gather_back
+    from superoffload_hf.engine.gather import ShardGather
+
+    gather_back = ShardGather.gather_back
 
     def slow_gather_back(self, rt):
         if rank == slow_gather_rank and rt.bucket.index == 0:  # layers[2]'s, queued last
@@ -344,12 +346,12 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
     params = [p for p in model.parameters() if all(p is not q for q in late)] + late
     for n in names:
         setattr(dist, n, recording(n))
-    dp_module.DataParallel.gather_back = slow_gather_back
+    ShardGather.gather_back = slow_gather_back
     try:
         opt = SuperOffloadAdamW(params, lr=LR, config=engine_config(speculation="on"))
         first = opt._engine.buckets.host()[0] if isinstance(opt._engine.buckets.host(), list) else next(iter(opt._engine.buckets.host()))
         assert {s.index for s in first.bucket.slots} == set(range(len(params) - len(late), len(params))), first.bucket
-        coll = holder["coll"] = opt._engine.dp.coll
+        coll = holder["coll"] = opt._engine.route.coll
         constructed = len(log)
         for step in range(steps):
             model.skip = frozenset({2}) if step == 2 else frozenset()
@@ -363,7 +365,7 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
     finally:
         for n in names:
             setattr(dist, n, originals[n])
-        dp_module.DataParallel.gather_back = gather_back
+        ShardGather.gather_back = gather_back
     roles = {id(group): role for role, group in groups}
     named = [(op, roles.get(id(group), "other"), thread, locked) for op, group, thread, locked in log]
     return {"construction": named[:constructed], "training": named[constructed:],

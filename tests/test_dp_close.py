@@ -39,9 +39,9 @@ def _trained(steps: int = 2):
 def _held(opt) -> list:
     """Weak references to the engine, its data-parallel part and every buffer they allocated."""
     engine = opt._engine
-    refs = [weakref.ref(engine), weakref.ref(engine.dp)]
+    refs = [weakref.ref(engine), weakref.ref(engine.route)]
     refs += [weakref.ref(arena) for arena in engine.buckets.arenas.values()]
-    refs += [weakref.ref(t) for pair in engine.dp._gather_pairs.values() for t in pair]
+    refs += [weakref.ref(t) for pair in engine.route.gather._gather_pairs.values() for t in pair]
     refs += [weakref.ref(slot.buf) for slot in engine.transfer._ring]
     return refs
 
@@ -67,7 +67,7 @@ def _close_and_drop(rank: int, world: int) -> dict:
     with on_device(rank):  # as torch.cuda.set_device(local_rank) in the training script
         before = sim.buffer_bytes()
         _, opt = _trained()
-        assert opt._engine.dp is not None and opt._engine.dp._gather_pairs
+        assert not opt._engine.route.alone and opt._engine.route.gather._gather_pairs
         ledger, refs = opt._engine.buckets.ledger, _held(opt)[2:]
         gc.collect()
         gc.disable()
@@ -76,7 +76,7 @@ def _close_and_drop(rank: int, world: int) -> dict:
             facts["closed: ledger bytes"] = _settled(ledger.bytes)
             facts["closed: buffers alive"] = sum(r() is not None for r in refs)
             facts["closed: device bytes held"] = sim.buffer_bytes() - before
-            coll = opt._engine.dp.coll
+            coll = opt._engine.route.coll
             facts["closed: process groups held"] = [name for name, _ in coll.groups()]
             try:
                 coll.barrier()  # with its groups gone, group=None would be the default group's

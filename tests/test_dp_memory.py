@@ -96,9 +96,9 @@ def _measure(rank, world, accumulation, config):
         e = opt._engine
         assert e.footprint() == rows, "the engine's own footprint differs from the dry run's"
         tracker.wrap_allocator(e.runtime)
-        e.dp.collect = tracker.within("grad buckets", e.dp.collect)
-        e.dp.launch = tracker.within("reduce-scatter shard", e.dp.launch)
-        e.jobs.gather = tracker.within("all-gather", e.dp.gather_back)
+        e.route.collect = tracker.within("grad buckets", e.route.collect)
+        e.route.launch = tracker.within("reduce-scatter shard", e.route.launch)
+        e.route.gather.gather_back = tracker.within("all-gather", e.route.gather.gather_back)
         for step in range(2):
             for batch in micro_batches(step * world + rank, accumulation, vocab_size=127):
                 (model(**batch).loss / accumulation).backward()

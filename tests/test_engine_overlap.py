@@ -10,7 +10,7 @@ import torch
 
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.engine import stepper
-from superoffload_hf.engine.core import auto_host_threads
+from superoffload_hf.engine.build import auto_host_threads
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy
 
 from _models import engine_config, micro_batches, tiny_batch, tiny_llama

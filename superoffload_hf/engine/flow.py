@@ -143,6 +143,13 @@ def plan_flow(model: torch.nn.Module, params: list[torch.Tensor], depth: int = D
     return FlowPlan(tuple(flowing), tuple(kept), depth)
 
 
+def flowing(plan: Optional[FlowPlan], params: list[torch.Tensor]) -> Callable[[torch.Tensor], bool]:
+    """Whether a parameter flows under `plan` (None: none does); for the parts built before the
+    flow (the host jobs and the gather skip its copy-backs)."""
+    ids = frozenset() if plan is None else frozenset(id(params[i]) for spec in plan.units for i in spec.params)
+    return lambda p: id(p) in ids
+
+
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -168,15 +175,17 @@ class _Unit:
 class WeightFlow:
     """The run-time part: gets the plan, the parameters, the buckets (for the host sources and
     their fetch events), the runtime, the transfer (whose `omitted` the mutation tests set), the
-    waiter (the buckets' host jobs; set once the engine has built it), counters and timeline."""
+    waiter (the buckets' host jobs), counters and timeline; under data parallelism the gather,
+    the ranks' agreement and this global rank."""
 
-    def __init__(self, plan: FlowPlan, params: list[torch.Tensor], buckets, runtime, transfer, waiter=None,
-                 counters=None, timeline=None, gather=None):
+    def __init__(self, plan: FlowPlan, params: list[torch.Tensor], buckets, runtime, transfer, waiter,
+                 counters=None, timeline=None, gather=None,
+                 all_ranks_true: Optional[Callable[[bool], bool]] = None, rank: int = 0):
         self.plan, self.buckets, self.runtime, self.waiter = plan, buckets, runtime, waiter
-        # Data parallel (engine/dp.py `gather_for_flow`; set once it is built): a bucket's rank
-        # shards all-gathered into its whole weights, on the current stream: a collective.
+        # Data parallel (engine/gather.py `gather_for_flow`): a bucket's rank shards all-gathered
+        # into its whole weights, on the current stream: a collective.
         self.gather = gather
-        self.all_ranks_true: Optional[Callable[[bool], bool]] = None  # data parallel: one decision for all
+        self.all_ranks_true = all_ranks_true  # data parallel: one decision for all
         self.counters = counters  # OffloadCounters: fetched bytes count in bytes_h2d
         self.timeline = timeline  # perf/timeline.py: each fetch on the h2d track (host issue time)
         self.transfer = transfer  # its `omitted` (the mutation tests) also names flow's syncs
@@ -188,7 +197,7 @@ class WeightFlow:
         self.names: dict[int, str] = {}  # id(param) -> its name in the model (for messages)
         # Data parallel, prepare_state_dict(): rank 0's host copies of every flowing weight (id ->
         # tensor) until the next forward, step or write; on the other ranks `gathered_elsewhere`
-        self.rank = 0  # the global rank (set with `gather`)
+        self.rank = rank  # the global rank (rank 0 keeps what fetch_weights() gathers)
         self.gathered: Optional[dict[int, torch.Tensor]] = None
         self.gathered_elsewhere = False
         self.fetches = 0
@@ -196,6 +205,12 @@ class WeightFlow:
 
     def flows(self, p: torch.Tensor) -> bool:
         return id(p) in self.param_ids
+
+    def use_plan(self, plan: FlowPlan) -> None:
+        """A re-planned prefetch depth (engine/core.py): read from the next prefetch on."""
+        if plan.units != self.plan.units:
+            raise ValueError("a weight-flow re-plan may change the prefetch depth only, not the flowing units")
+        self.plan = plan
 
     def _keeps(self, sync: str) -> bool:
         return sync not in self.transfer.omitted
