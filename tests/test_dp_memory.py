@@ -19,6 +19,7 @@ from collections import defaultdict
 import pytest
 
 from _dist import run_ranks
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,7 +94,7 @@ def _measure(rank, world, accumulation, config):
                        accelerator=False, accumulation_steps=accumulation, shard_world=world)
     tracker = DeviceTracker()
     with SuperOffloadAdamW(groups, config=config) as opt:
-        e = opt._engine
+        e = parts(opt)
         assert e.footprint() == rows, "the engine's own footprint differs from the dry run's"
         tracker.wrap_allocator(e.runtime)
         e.route.collect = tracker.within("grad buckets", e.route.collect)

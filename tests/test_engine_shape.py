@@ -130,3 +130,18 @@ def test_the_branch_rule_sees_each_spelling():
               "if self.route.alone:\n    pass\n")
     assert sorted(int(hit.split(":")[1]) for hit in dp_branches(source)) == [1, 3, 4, 6, 7]
 
+
+def private_engine_reads(source: str, filename: str = "<source>") -> list[str]:
+    """`x._engine`: a test reaching into the optimizer's engine past the testing surface."""
+    return [f"{filename}:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source, filename))
+            if isinstance(node, ast.Attribute) and node.attr == "_engine"]
+
+
+def test_tests_reach_the_engine_only_through_the_testing_surface():
+    tests = pathlib.Path(__file__).parent
+    found = [hit for path in sorted(tests.rglob("*.py")) for hit in private_engine_reads(path.read_text(), path.name)]
+    assert found == []
+
+
+def test_the_surface_rule_sees_a_test_reading_the_engine():
+    assert private_engine_reads("ledger = opt._engine.buckets.ledger\n") == ["<source>:1: opt._engine"]
