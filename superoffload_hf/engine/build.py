@@ -33,6 +33,7 @@ from superoffload_hf.engine.commit import Committer
 from superoffload_hf.engine.core import Engine
 from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_ddp, sharding
 from superoffload_hf.engine.flow import WeightFlow, find_units, flowing
+from superoffload_hf.engine.flow_sharded import ShardedWeightFlow
 from superoffload_hf.engine.gather import ShardGather
 from superoffload_hf.engine.hooks import ForwardGate, register_forward_wait, register_param_hooks
 from superoffload_hf.engine.host_limit import check_plan_fits
@@ -200,11 +201,14 @@ def build_engine(param_groups: list[dict], adamw: bool, config: SuperOffloadConf
     reads = ModuleReads(params)
     waiter = Waiter(buckets, worker, transfer, observer, reads, jobs, step_state)
     flow = None
-    if layout.flow is not None:  # the host holds the units' weights now: released before the device counts them
+    if layout.flow is not None and gather is None:
         flow = WeightFlow(layout.flow, params, buckets, runtime, transfer, waiter, counters=counters,
-                          timeline=observer.timeline, gather=None if gather is None else gather.gather_for_flow,
-                          all_ranks_true=None if collectives is None else collectives.all_ranks_true,
-                          rank=0 if collectives is None else collectives.topology.rank)
+                          timeline=observer.timeline)
+    elif layout.flow is not None:  # each fetch all-gathers the unit's buckets from the ranks' shards
+        flow = ShardedWeightFlow(layout.flow, params, buckets, runtime, transfer, waiter, gather=gather.gather_for_flow,
+                                 all_ranks_true=collectives.all_ranks_true, rank=collectives.topology.rank,
+                                 counters=counters, timeline=observer.timeline)
+    if flow is not None:  # the host holds the units' weights now: released before the device counts them
         flow.release_all()
     runtime.adopt(params)
     # the route: the one place that picks between one process and data parallelism
