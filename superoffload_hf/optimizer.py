@@ -34,9 +34,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from superoffload_hf.engine import checkpoint
-from superoffload_hf.engine.checkpoint import ParamStateView
 from superoffload_hf.config import SuperOffloadConfig
+from superoffload_hf.engine.build import build_engine
 from superoffload_hf.engine.core import Engine
 from superoffload_hf.metrics import OffloadCounters
 from superoffload_hf.plan.buckets import BucketPlan
@@ -66,10 +65,10 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Optional[float] = None
         self.last_step_skipped = False
         # `model`: what weight-flow hooks (config `weights`: its units are the model's blocks)
-        self._engine = Engine(self.param_groups, self._adamw, self.config, self.counters, process_group, model=model)
+        self._engine = build_engine(self.param_groups, self._adamw, self.config, self.counters, process_group, model=model)
         self._engine.max_grad_norm = self._max_grad_norm
         self._finalizer = weakref.finalize(self, self._engine.close)
-        self.state = ParamStateView(self._engine)  # (torch.optim's dict: read-only copies here)
+        self.state = self._engine.state_view()  # (torch.optim's dict: read-only copies here)
 
     # ---- torch.optim.Optimizer ------------------------------------------------------------
 
@@ -116,7 +115,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         `register_state_dict_pre_hook` / `_post_hook` run as in torch.optim."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = checkpoint.state_dict(self._open_engine(), self.param_groups)
+        state_dict = self._open_engine().state_dict(self.param_groups)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             replaced = post_hook(self, state_dict)
             if replaced is not None:
@@ -135,7 +134,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
             replaced = pre_hook(self, state_dict)
             if replaced is not None:
                 state_dict = replaced
-        checkpoint.load_state_dict(engine, self.param_groups, state_dict)
+        engine.load_state_dict(self.param_groups, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -145,26 +144,25 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
     def is_sharded(self) -> bool:
         """Whether this optimizer shards its state over ranks (torch.distributed, world > 1):
         `state_dict()` is then this rank's shard (engine/shard_checkpoint.py)."""
-        return self._engine.dp is not None
+        return not self._engine.route.alone
 
     def before_collective(self) -> None:
-        """Returns once the host worker has issued every weight all-gather queued so far, so
+        """Call before a collective of your own on another process group after step(), ahead of
+        the next backward (sequence parallelism's all-to-alls in the forward: SequenceParallel
+        does): returns once the host worker has issued every weight all-gather step() queued, so
         that every rank issues the two threads' collectives in one order (NCCL requires it
         across communicators; engine/dp.py). step() now returns only after that (the Trainer's
         own collectives after it need nothing), so after step() this returns at once; kept for
         callers that call it before their collectives on another group (SequenceParallel does).
         Nothing to do in one process."""
-        if self._engine.dp is not None:
-            self._engine.dp.wait_for_queued_gathers()
+        self._engine.route.wait_for_queued_gathers()
 
     def save_sharded(self, directory: str) -> list[str]:
         """Every rank writes its shard to `directory` (optimizer.shard-RRRRR-of-NNNNN.pt; no rank
         gathers the state); after all have, rank 0 writes `optimizer.pt`, a small index, so its
         presence means the set is complete. Call on every rank. One process: optimizer.pt is the
         whole state dict. Returns the files written here."""
-        from superoffload_hf.engine.shard_checkpoint import write_sharded
-
-        return write_sharded(self, directory)
+        return self._engine.route.save(directory, self.state_dict)
 
     @staticmethod
     def read_state(directory: str) -> Any:
@@ -291,10 +289,10 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         copied in the same `deepcopy` call, through `memo`), with this one's state, settings,
         counters and torch.optim hooks."""
         engine = self._open_engine()
-        if engine.dp is not None or engine.flow is not None:
+        if not engine.route.alone or engine.flow is not None:
             raise RuntimeError(
                 "copy.deepcopy of a SuperOffload optimizer is not supported under "
-                + ("data parallelism (building the copy is a collective)" if engine.dp is not None else
+                + ("data parallelism (building the copy is a collective)" if not engine.route.alone else
                    "weight-flow (the flowing parameters hold no weights on the device)")
                 + ": build a new optimizer on the copied model and load this one's state_dict() into it.")
         if engine.has_pending_gradients():

@@ -22,6 +22,7 @@ from _models import (
     micro_batches,
     read_params,
 )
+from superoffload_hf.testing.engine_parts import parts
 
 
 LAYERS = 4  # TinyLM's blocks
@@ -298,7 +299,7 @@ def launch_order_learned(rank: int, world: int, steps: int = 3) -> dict:
             opt.zero_grad()
     finally:
         dp_module.DataParallel.launch = launch
-    host = sum(1 for rt in opt._engine.buckets.host())
+    host = sum(1 for rt in parts(opt).buckets.host())
     return {"log": log, "host_buckets": host, "digest": params_digest(model)}
 
 
@@ -330,7 +331,9 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
             return originals[name](*args, **kwargs)
         return call
 
-    gather_back = dp_module.DataParallel.gather_back
+    from superoffload_hf.engine.gather import ShardGather
+
+    gather_back = ShardGather.gather_back
 
     def slow_gather_back(self, rt):
         if rank == slow_gather_rank and rt.bucket.index == 0:  # layers[2]'s, queued last
@@ -344,12 +347,12 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
     params = [p for p in model.parameters() if all(p is not q for q in late)] + late
     for n in names:
         setattr(dist, n, recording(n))
-    dp_module.DataParallel.gather_back = slow_gather_back
+    ShardGather.gather_back = slow_gather_back
     try:
         opt = SuperOffloadAdamW(params, lr=LR, config=engine_config(speculation="on"))
-        first = opt._engine.buckets.host()[0] if isinstance(opt._engine.buckets.host(), list) else next(iter(opt._engine.buckets.host()))
+        first = parts(opt).buckets.host()[0] if isinstance(parts(opt).buckets.host(), list) else next(iter(parts(opt).buckets.host()))
         assert {s.index for s in first.bucket.slots} == set(range(len(params) - len(late), len(params))), first.bucket
-        coll = holder["coll"] = opt._engine.dp.coll
+        coll = holder["coll"] = parts(opt).route.coll
         constructed = len(log)
         for step in range(steps):
             model.skip = frozenset({2}) if step == 2 else frozenset()
@@ -357,13 +360,13 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
                 model(**batch).loss.backward()
             opt.step()
             opt.zero_grad()
-        opt.synchronize() if hasattr(opt, "synchronize") else opt._engine.synchronize()
+        opt.synchronize() if hasattr(opt, "synchronize") else parts(opt).synchronize()
         groups = coll.groups()  # close() releases them
         opt.close()
     finally:
         for n in names:
             setattr(dist, n, originals[n])
-        dp_module.DataParallel.gather_back = gather_back
+        ShardGather.gather_back = gather_back
     roles = {id(group): role for role, group in groups}
     named = [(op, roles.get(id(group), "other"), thread, locked) for op, group, thread, locked in log]
     return {"construction": named[:constructed], "training": named[constructed:],

@@ -25,6 +25,7 @@ from superoffload_hf.integrations.accelerate import (
 )
 
 from _models import tiny_batch, tiny_llama
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -238,7 +239,7 @@ def test_a_dropped_accelerator_frees_its_prepared_optimizer_without_the_cyclic_c
     model, optimizer, data, scheduler = (superoffload_setup if kind == "superoffload" else stock_setup)(accelerator)
     run_loop(accelerator, model, optimizer, list(data)[:2], scheduler)
     inner = optimizer.optimizer
-    ledger = inner._engine.buckets.ledger if kind == "superoffload" else None
+    ledger = parts(inner).buckets.ledger if kind == "superoffload" else None
     freed = weakref.ref(inner)
     del inner
     gc.collect()

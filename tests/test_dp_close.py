@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(240)]
 
@@ -38,10 +39,10 @@ def _trained(steps: int = 2):
 
 def _held(opt) -> list:
     """Weak references to the engine, its data-parallel part and every buffer they allocated."""
-    engine = opt._engine
-    refs = [weakref.ref(engine), weakref.ref(engine.dp)]
+    engine = parts(opt)
+    refs = [weakref.ref(engine), weakref.ref(engine.route)]
     refs += [weakref.ref(arena) for arena in engine.buckets.arenas.values()]
-    refs += [weakref.ref(t) for pair in engine.dp._gather_pairs.values() for t in pair]
+    refs += [weakref.ref(t) for pair in engine.route.gather._gather_pairs.values() for t in pair]
     refs += [weakref.ref(slot.buf) for slot in engine.transfer._ring]
     return refs
 
@@ -67,8 +68,8 @@ def _close_and_drop(rank: int, world: int) -> dict:
     with on_device(rank):  # as torch.cuda.set_device(local_rank) in the training script
         before = sim.buffer_bytes()
         _, opt = _trained()
-        assert opt._engine.dp is not None and opt._engine.dp._gather_pairs
-        ledger, refs = opt._engine.buckets.ledger, _held(opt)[2:]
+        assert not parts(opt).route.alone and parts(opt).route.gather._gather_pairs
+        ledger, refs = parts(opt).buckets.ledger, _held(opt)[2:]
         gc.collect()
         gc.disable()
         try:
@@ -76,7 +77,7 @@ def _close_and_drop(rank: int, world: int) -> dict:
             facts["closed: ledger bytes"] = _settled(ledger.bytes)
             facts["closed: buffers alive"] = sum(r() is not None for r in refs)
             facts["closed: device bytes held"] = sim.buffer_bytes() - before
-            coll = opt._engine.dp.coll
+            coll = parts(opt).route.coll
             facts["closed: process groups held"] = [name for name, _ in coll.groups()]
             try:
                 coll.barrier()  # with its groups gone, group=None would be the default group's
@@ -85,7 +86,7 @@ def _close_and_drop(rank: int, world: int) -> dict:
                 facts["closed: a collective"] = str(error)
             del opt, coll
             _, opt = _trained()
-            ledger, refs = opt._engine.buckets.ledger, _held(opt)
+            ledger, refs = parts(opt).buckets.ledger, _held(opt)
             del opt
             facts["dropped: ledger bytes"] = _settled(ledger.bytes)
             facts["dropped: engine, dp alive"] = [r() is not None for r in refs[:2]]

@@ -19,6 +19,7 @@ from collections import defaultdict
 import pytest
 
 from _dist import run_ranks
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,12 +94,12 @@ def _measure(rank, world, accumulation, config):
                        accelerator=False, accumulation_steps=accumulation, shard_world=world)
     tracker = DeviceTracker()
     with SuperOffloadAdamW(groups, config=config) as opt:
-        e = opt._engine
+        e = parts(opt)
         assert e.footprint() == rows, "the engine's own footprint differs from the dry run's"
         tracker.wrap_allocator(e.runtime)
-        e.dp.collect = tracker.within("grad buckets", e.dp.collect)
-        e.dp.launch = tracker.within("reduce-scatter shard", e.dp.launch)
-        e.jobs.gather = tracker.within("all-gather", e.dp.gather_back)
+        e.route.collect = tracker.within("grad buckets", e.route.collect)
+        e.route.launch = tracker.within("reduce-scatter shard", e.route.launch)
+        e.route.gather.gather_back = tracker.within("all-gather", e.route.gather.gather_back)
         for step in range(2):
             for batch in micro_batches(step * world + rank, accumulation, vocab_size=127):
                 (model(**batch).loss / accumulation).backward()

@@ -10,10 +10,11 @@ import torch
 
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.engine import stepper
-from superoffload_hf.engine.core import auto_host_threads
+from superoffload_hf.engine.build import auto_host_threads
 from superoffload_hf.engine.validate import Decision, SpeculationPolicy
 
 from _models import engine_config, micro_batches, tiny_batch, tiny_llama
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.usefixtures("device_mode"), pytest.mark.timeout(120)]
 
@@ -28,17 +29,17 @@ def test_without_speculation_buckets_are_stepped_and_returned_in_the_next_forwar
         opt.step()  # the first step learns the gradient order
         opt.zero_grad()
         order = []
-        to_device = opt._engine.transfer.params_to_device
+        to_device = parts(opt).transfer.params_to_device
 
         def logged(src, params, offsets):
-            order.append(opt._engine.buckets.runtime_of[params[0]].bucket.index)
+            order.append(parts(opt).buckets.runtime_of[params[0]].bucket.index)
             return to_device(src, params, offsets)
 
-        opt._engine.transfer.params_to_device = logged
+        parts(opt).transfer.params_to_device = logged
         model(**micro_batches(1)[0]).loss.backward()
         opt.step()
         opt.synchronize()
-        host = [rt.bucket.index for rt in opt._engine.buckets.host()]  # gradient-ready order
+        host = [rt.bucket.index for rt in parts(opt).buckets.host()]  # gradient-ready order
         assert order == host[::-1], "copy-backs must come back embedding first (forward order)"
 
 

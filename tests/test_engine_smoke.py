@@ -19,6 +19,7 @@ from superoffload_hf.device.transfer import GRAD_RING_SLOTS
 from superoffload_hf.engine.hooks import HeldGrad
 
 from _models import read_params
+from superoffload_hf.testing.engine_parts import parts, return_early
 
 pytestmark = [pytest.mark.usefixtures("device_mode"), pytest.mark.timeout(120)]
 
@@ -333,7 +334,7 @@ def test_snapshot_rollback_copies_through_the_host_adams_pool_and_restores_exact
     model, opt = make({"speculation": "on", "rollback": "snapshot"})
     ref = mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
-    adam, copies = opt._engine.adam, []
+    adam, copies = parts(opt).adam, []
     kernel_copy = adam.grad_copy_
     adam.grad_copy_ = lambda dst, src: copies.append((dst, src)) or kernel_copy(dst, src)
     with opt:
@@ -341,7 +342,7 @@ def test_snapshot_rollback_copies_through_the_host_adams_pool_and_restores_exact
             _, threshold = reference_step(ref, ref_opt, step, clip_schedule(step))
             offload_step(model, opt, step, threshold)
             assert_models_close(model, ref, f"step {step}", exact=False)
-        snapshots = {id(t) for rt in opt._engine.runtimes if rt.bufs._snapshot for t in rt.bufs._snapshot}
+        snapshots = {id(t) for rt in parts(opt).runtimes if rt.bufs._snapshot for t in rt.bufs._snapshot}
         taken = sum(id(dst) in snapshots for dst, _ in copies)
         restored = sum(id(src) in snapshots for _, src in copies)
         assert opt.counters.speculative_steps > 0 and opt.counters.rollbacks > 0
@@ -353,7 +354,7 @@ def test_snapshot_rollback_restores_the_host_cast_lowp_with_the_host_adams_cast(
     """cast "host" keeps a bf16 copy of each host bucket's master: the restore recasts it with the
     host Adam's lowp_copy_ (its pool, the step's rounding), and it equals the master's rounding."""
     model, opt = make({"speculation": "on", "rollback": "snapshot", "device_dtype": "bf16", "cast": "host"})
-    adam, casts = opt._engine.adam, []
+    adam, casts = parts(opt).adam, []
     kernel_cast = adam.lowp_copy_
     adam.lowp_copy_ = lambda dst, src: casts.append(dst) or kernel_cast(dst, src)
     ref = mlp()
@@ -364,7 +365,7 @@ def test_snapshot_rollback_restores_the_host_cast_lowp_with_the_host_adams_cast(
             offload_step(model, opt, step, threshold)
         opt.synchronize()
         assert opt.counters.rollbacks > 0 and casts
-        host = [rt for rt in opt._engine.buckets.host() if rt.bufs.lowp is not None]
+        host = [rt for rt in parts(opt).buckets.host() if rt.bufs.lowp is not None]
         assert host and any(dst is rt.bufs.lowp for rt in host for dst in casts)  # a rolled-back bucket's
         for rt in host:
             assert torch.equal(rt.bufs.lowp.view(torch.int16), rt.bufs.master.to(torch.bfloat16).view(torch.int16))
@@ -389,7 +390,7 @@ def test_step_returning_early_lets_the_next_forward_wait_per_bucket():
     model, opt = make({"speculation": "on", "rollback": "snapshot"})
     ref = mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
-    opt._engine.step_returns_early = True  # the CUDA behaviour, on the CPU
+    return_early(opt)  # the CUDA behaviour, on the CPU
     with opt:
         for step in range(4):
             want, threshold = reference_step(ref, ref_opt, step, clip_schedule(step))
@@ -404,7 +405,7 @@ def test_step_fences_the_device_stream_before_queuing_its_copy_backs():
     evaluation forward between backward and step() reads the old weights): step() fences first.
     (bf16: on the CPU, fp32 parameters are the masters themselves and nothing is copied back.)"""
     model, opt = make({"speculation": "off", "device_dtype": "bf16"})
-    transfer, log = opt._engine.transfer, []
+    transfer, log = parts(opt).transfer, []
     fence, to_device = transfer.fence, transfer.params_to_device
     transfer.fence = lambda: log.append("fence") or fence()
     transfer.params_to_device = lambda *args: log.append("copy") or to_device(*args)
@@ -424,7 +425,7 @@ def test_steps_after_the_first_allocate_no_device_buffers(device_mode):
     one staging buffer: once the plan is learned (step 1), training allocates nothing on the
     device, and the ring stays at GRAD_RING_SLOTS although the plan has more host buckets."""
     model, opt = make({"speculation": "on", "device_buckets": 1, "bucket_size_mb": 0.001})
-    runtime, allocations = opt._engine.runtime, []
+    runtime, allocations = parts(opt).runtime, []
     device_empty = runtime.device_empty
     with opt:
         for step in range(5):
@@ -432,7 +433,7 @@ def test_steps_after_the_first_allocate_no_device_buffers(device_mode):
                 runtime.device_empty = lambda numel, dtype: allocations.append(numel) or device_empty(numel, dtype)
             offload_step(model, opt, step, fixed_clip(step))
         opt.synchronize()
-        host_buckets, ring_slots = len(list(opt._engine.buckets.host())), opt._engine.transfer.ring_slots
+        host_buckets, ring_slots = len(list(parts(opt).buckets.host())), parts(opt).transfer.ring_slots
     del runtime.device_empty
     assert allocations == []
     assert host_buckets > GRAD_RING_SLOTS >= ring_slots  # (read before close(), which frees them)
@@ -459,7 +460,7 @@ def test_on_the_cpu_fp32_parameters_are_views_of_their_masters(device_mode):
             offload_step(model, opt, step, threshold)
             opt.synchronize()
             assert_models_close(model, ref, f"step {step}")
-        aliased = [_inside(p, rt.bufs.master) for rt in opt._engine.buckets.host() for p in rt.params]
+        aliased = [_inside(p, rt.bufs.master) for rt in parts(opt).buckets.host() for p in rt.params]
         counters = opt.counters
     assert counters.rollbacks > 0 and counters.replays > 0
     if device_mode == "cpu":
@@ -557,7 +558,7 @@ def test_an_exception_in_the_host_worker_surfaces_in_the_training_loop():
     def broken(*args, **kwargs):
         raise ValueError("kernel exploded")
 
-    opt._engine.adam.adam_step_ = broken
+    parts(opt).adam.adam_step_ = broken
     loss_of(model, 0).backward()
     with pytest.raises(RuntimeError, match="host worker failed: ValueError: kernel exploded"):
         opt.step()

@@ -12,6 +12,7 @@ from superoffload_hf import SuperOffloadAdamW
 
 from _models import (assert_params_close, engine_config, micro_batches, one_torch_thread,  # noqa: F401
                      tiny_llama)
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LR = 1e-3
@@ -26,18 +27,18 @@ def pair(speculation: str = "on"):
 
 
 def grad_bytes(opt) -> int:
-    return opt._engine.buckets.ledger.bytes(kind="grad")
+    return parts(opt).buckets.ledger.bytes(kind="grad")
 
 
 def host_runtimes(opt):
-    return list(opt._engine.buckets.host())
+    return list(parts(opt).buckets.host())
 
 
 @pytest.mark.parametrize("speculation", ["on", "off"])
 def test_the_step_reads_autograds_gradients_and_releases_them_after_step(speculation):
     model, opt, ref_model, ref_opt = pair(speculation)
     try:
-        assert opt._engine.buckets.policy.grad_on_demand and grad_bytes(opt) == 0
+        assert parts(opt).buckets.policy.grad_on_demand and grad_bytes(opt) == 0
         for step in range(3):
             batch = micro_batches(step)[0]
             model(**batch).loss.backward()
@@ -61,7 +62,7 @@ def test_the_step_reads_autograds_gradients_and_releases_them_after_step(specula
 def test_undeclared_accumulation_allocates_the_buffer_for_that_step_only(speculation):
     """Two backwards per step with gradient_accumulation_steps 1 (the config's default)."""
     model, opt, ref_model, ref_opt = pair(speculation)
-    ledger = opt._engine.buckets.ledger
+    ledger = parts(opt).buckets.ledger
     try:
         for step in range(3):
             batches = micro_batches(step, accumulation=2)
@@ -110,7 +111,7 @@ def test_a_partial_backward_steps_only_the_parameters_with_a_gradient():
 
 def count_full_path(opt, monkeypatch) -> list:
     """Record the parameter index of every gradient that goes through the full path."""
-    collector = opt._engine.collector
+    collector = parts(opt).collector
     calls, full = [], collector.on_grad_accumulated
 
     def counted(p, index=None):
@@ -136,7 +137,7 @@ def test_after_the_first_step_only_each_buckets_first_gradient_takes_the_full_pa
                 assert len(calls) == len(params)
             else:
                 assert len(calls) == len(host), (step, calls)
-                assert {opt._engine.buckets.where[i][0] for i in calls} == set(host)
+                assert {parts(opt).buckets.where[i][0] for i in calls} == set(host)
                 with pytest.raises(RuntimeError, match="held by the SuperOffload optimizer"):
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             assert all(g is not None for rt in host for g in rt.autograd_grads)

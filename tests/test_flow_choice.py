@@ -17,6 +17,7 @@ from superoffload_hf.plan.flow import (DEVICE_MARGIN_SHARE, UnitCost, choose_dep
 from superoffload_hf.testing.sim import SimRuntime, on_device
 
 from _models import engine_config, one_torch_thread, params_snapshot, tiny_batch, tiny_llama  # noqa: F401
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(180)]
 
@@ -125,10 +126,10 @@ def test_auto_keeps_some_units_on_a_quarter_budget_and_trains_like_stationary_on
     with on_device(1):
         model, opt, got = _train("auto")
         with opt:
-            layout = opt._engine.layout
+            layout = parts(opt).layout
             flowing, units = sum(layout.flow_choice.flowing), len(layout.flow_choice.units)
             assert 0 < flowing < units == 19, str(layout)
-            assert len(layout.flow.units) == flowing and opt._engine.flow.fetches > 0
+            assert len(layout.flow.units) == flowing and parts(opt).flow.fetches > 0
             peak = opt.device_memory_peak()
             assert peak <= quarter_budget // 4, (peak, quarter_budget // 4)
             # what stays is what hides worst: the embedding
@@ -146,7 +147,7 @@ def test_auto_on_the_simulated_device_leaves_the_margin_of_its_memory_free(monke
         with on_device(1):
             _, opt, _ = _train("auto", steps=1)
             with opt:
-                choice = opt._engine.layout.flow_choice
+                choice = parts(opt).layout.flow_choice
                 margin = int(DEVICE_MARGIN_SHARE * budget)  # the simulated device has no allocator slack
                 assert choice.margin_bytes == margin and choice.peak_flow <= choice.free_bytes
                 without = choose_flow("auto", choice.units, other_bytes=choice.other_bytes,
@@ -163,10 +164,10 @@ def test_activation_bytes_make_auto_flow_more_units(quarter_budget):
     with on_device(1):
         _, without, _ = _train("auto", steps=0)
         with without:
-            fewer = sum(without._engine.layout.flow_choice.flowing)
+            fewer = sum(parts(without).layout.flow_choice.flowing)
         _, with_activations, _ = _train("auto", activation_bytes=quarter_budget // 16, steps=0)
         with with_activations:
-            more = sum(with_activations._engine.layout.flow_choice.flowing)
+            more = sum(parts(with_activations).layout.flow_choice.flowing)
     assert fewer < more, (fewer, more)
 
 
@@ -193,7 +194,7 @@ def test_the_engine_takes_the_depth_the_measured_link_and_forward_call_for_and_t
         want = params_snapshot(model)
     model, opt = make("flow")
     with opt:
-        engine = opt._engine
+        engine = parts(opt)
         link = Bandwidth.constant(1e-5)  # GB/s: a block's fetch takes seconds, the forward one
         machine = Machine(name="made up", h2d=link, d2h=link, host_adam_rate=1e9, host_adam_rate_busy=1e9,
                           device_adam_rate=1e9, device_free_bytes=1e9)

@@ -21,6 +21,7 @@ except ImportError:  # the GPU image may lack pytest
 from superoffload_hf import SuperOffloadAdamW
 
 import _gpu_checks  # tests/ is on sys.path under pytest and when run as a script
+from superoffload_hf.testing.engine_parts import parts
 
 DEVICE = os.environ.get("SUPEROFFLOAD_GPU_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE.startswith("cuda")
@@ -201,7 +202,7 @@ def test_device_resident_buckets_are_stepped_on_the_device():
     model, ref = tiny_llama(), tiny_llama()
     cfg = config(device_dtype="fp32", device_buckets=2, speculation="on", rollback="snapshot")
     with SuperOffloadAdamW(model.parameters(), lr=LR, config=cfg) as opt:
-        device_runtimes = [rt for rt in opt._engine.runtimes if rt.bucket.device_resident]
+        device_runtimes = [rt for rt in parts(opt).runtimes if rt.bucket.device_resident]
         assert len(device_runtimes) == 2
         assert all(rt.bufs.master.device.type == torch.device(DEVICE).type for rt in device_runtimes)
         _, thresholds, masters = reference_mixed_run(ref)
@@ -219,7 +220,7 @@ def test_host_buffers_are_pinned_as_the_cast_policy_says_and_copies_use_side_str
         model = tiny_llama()
         cfg = config(device_dtype=dtype, cast=cast, gradient_accumulation_steps=micro_batches)
         with SuperOffloadAdamW(model.parameters(), lr=LR, config=cfg) as opt:
-            engine = opt._engine
+            engine = parts(opt)
             host = [rt for rt in engine.runtimes if not rt.bucket.device_resident]
             assert host and all(rt.bufs.master.device.type == "cpu" for rt in host), where
             recorder = _gpu_checks.SeamRecorder(engine.runtime)

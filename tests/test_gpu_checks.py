@@ -11,6 +11,7 @@ import _gpu_checks
 from _models import tiny_llama
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import SIM_ENV_VAR
+from superoffload_hf.testing.engine_parts import parts
 
 CASES = (("bf16", "device", 1), ("bf16", "host", 1), ("fp32", "host", 2), ("fp32", "device", 2))
 
@@ -48,7 +49,7 @@ def test_each_cast_policy_pins_what_crosses_the_link_and_copies_only_pinned_memo
     cfg = {"bucket_size_mb": 0.05, "device_buckets": 0, "host_threads": 1, "device_dtype": dtype, "cast": cast,
            "gradient_accumulation_steps": micro_batches}
     with SuperOffloadAdamW(model.parameters(), lr=1e-3, config=cfg) as opt:
-        engine = opt._engine
+        engine = parts(opt)
         assert engine.runtime is runtime
         expected = _gpu_checks.expected_host_pinning(engine)
         if cast == "host" and dtype == "bf16":  # the PCIe policy: the bf16 copy crosses, the master stays
@@ -71,7 +72,7 @@ def test_the_checks_report_what_is_wrong(sim):
     model = tiny_llama()
     cfg = {"bucket_size_mb": 0.05, "device_buckets": 0, "host_threads": 1, "device_dtype": "bf16", "cast": "host"}
     with SuperOffloadAdamW(model.parameters(), lr=1e-3, config=cfg) as opt:
-        engine = opt._engine
+        engine = parts(opt)
         train(model, opt, 1, steps=1)
         # the old assertion (master and grad pinned) is wrong for cast "host": the check says so
         wrong = _gpu_checks.pinning_mismatches(engine, lambda t: True)

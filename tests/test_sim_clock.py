@@ -15,6 +15,7 @@ from superoffload_hf.device import SIM_ENV_VAR
 from superoffload_hf.device.transfer import Transfer
 from superoffload_hf.engine import core
 from superoffload_hf.testing.sim import KERNEL_MS, LINK_BYTES_PER_MS, SimRuntime, current_device, on_device
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(300)]
 
@@ -221,7 +222,7 @@ def test_the_learned_plan_uses_device_time_not_host_issue_time(sim_env, monkeypa
 
     def slow_host_hooks(step, opt):
         if step == 0:
-            for module in opt._engine.params[:2]:
+            for module in parts(opt).params[:2]:
                 module.register_hook(lambda grad: time.sleep(0.1))
 
     train(2, backward=slow_backward, each_step=slow_host_hooks)
@@ -246,7 +247,7 @@ def test_engine_is_correct_when_its_d2h_and_h2d_streams_are_one_stream(monkeypat
     monkeypatch.setenv(SIM_ENV_VAR, "1")
     try:
         got, opt = train(4, speculation="on")
-        assert opt._engine.transfer.d2h is opt._engine.transfer.h2d
+        assert parts(opt).transfer.d2h is parts(opt).transfer.h2d
         assert not SimRuntime.shared().errors
     finally:
         SimRuntime.reset_shared()

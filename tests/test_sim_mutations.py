@@ -25,6 +25,7 @@ from superoffload_hf.engine.worker import HostWorker
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime, on_device
 
 from _models import RelativeMaxNorm, engine_config, micro_batches, read_params, tiny_llama
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(120)]
 
@@ -66,7 +67,7 @@ def _run(omitted=()) -> dict[str, torch.Tensor]:
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-2,
                             config=engine_config(speculation="on", device_buckets=0))
     assert len(opt.plan.buckets) > GRAD_RING_SLOTS  # backward reuses ring slots
-    opt._engine.transfer.omitted = frozenset(omitted)
+    parts(opt).transfer.omitted = frozenset(omitted)
     clip = RelativeMaxNorm(0.9)
     with opt:
         for step in range(STEPS):

@@ -10,6 +10,7 @@ import torch
 from superoffload_hf.plan.memory import BufferPolicy, footprint
 from superoffload_hf.plan.buckets import BucketPlan
 from superoffload_hf.plan.snapshot_trade import bucket_snapshot_bytes, snapshot_trade
+from superoffload_hf.testing.engine_parts import parts
 
 BF16 = torch.bfloat16
 
@@ -75,7 +76,7 @@ def test_the_engine_speculates_only_the_buckets_whose_snapshot_fits(monkeypatch)
     for one bucket's snapshot: that bucket speculates, the other never does, and the Ledger holds
     one snapshot, as the footprint says."""
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine import host_limit as trade_module
+    from superoffload_hf.engine import snapshot_trade as trade_module
 
     monkeypatch.setenv("SUPEROFFLOAD_SIM_DEVICE", "1")
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
@@ -94,16 +95,16 @@ def test_the_engine_speculates_only_the_buckets_whose_snapshot_fits(monkeypatch)
     monkeypatch.setattr(trade_module, "snapshot_trade", with_room_for_one)
     opt = SuperOffloadAdamW(model.parameters(), lr=1e-3, config=config)
     try:
-        assert opt._engine.runtime.name.startswith("sim")
+        assert parts(opt).runtime.name.startswith("sim")
         for _ in range(4):
             model(torch.randn(4, 64).to(BF16)).float().pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        trade = opt._engine.trade
+        trade = parts(opt).trade
         assert trade.host_buckets >= 2 and trade.speculated_buckets == 1, trade
         assert opt.counters.speculative_steps > 0
-        ledger = opt._engine.buckets.ledger
-        rows = {r.what: r.nbytes for r in opt._engine.footprint()}
+        ledger = parts(opt).buckets.ledger
+        rows = {r.what: r.nbytes for r in parts(opt).footprint()}
         assert ledger.bytes(kind="snapshot") == rows["snapshot"] == trade.snapshot_bytes
         assert f"speculates 1 of {trade.host_buckets} host buckets" in opt.describe()
     finally:

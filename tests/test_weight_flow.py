@@ -13,11 +13,12 @@ import torch
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.device import SIM_ENV_VAR
-from superoffload_hf.plan.flow import find_units, plan_flow
+from superoffload_hf.engine.flow import find_units, plan_flow
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime, on_device
 
 from _models import (  # noqa: F401  (one_torch_thread is a fixture)
     GradPoison, assert_close_fast, engine_config, micro_batches, one_torch_thread, read_params, tiny_batch, tiny_llama)
+from superoffload_hf.testing.engine_parts import parts
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(180)]
 
@@ -185,7 +186,7 @@ def test_flow_trains_within_a_quarter_of_the_weights_and_matches_torch_adamw_eve
     names = [name for name, _ in model.named_parameters()]
     with opt:
         # "auto" flows the fewest units that fit (plan/flow.py; tests/test_flow_choice.py)
-        units = 19 if weights == "flow" else sum(opt._engine.layout.flow_choice.flowing)
+        units = 19 if weights == "flow" else sum(parts(opt).layout.flow_choice.flowing)
         assert f"weights flow: {units} units" in opt.describe() and 0 < units <= 19
         for step in range(3):
             batch = tiny_batch(vocab_size=BUDGET_VOCAB, seed=step)
@@ -202,9 +203,9 @@ def test_flow_trains_within_a_quarter_of_the_weights_and_matches_torch_adamw_eve
                 assert_close_fast(state[i]["master_param"], p.detach(), 1e-5, 1e-5,
                                   lambda m, name=name: f"step {step}: {name}: {m}")
         peak = opt.device_memory_peak()
-        assert peak <= weight_bytes // 4 and opt._engine.flow.fetches >= 3 * 2 * units, (peak, weight_bytes)
+        assert peak <= weight_bytes // 4 and parts(opt).flow.fetches >= 3 * 2 * units, (peak, weight_bytes)
         assert (opt.counters.weight_fetches, opt.counters.bytes_fetched) == (
-            opt._engine.flow.fetches, opt._engine.flow.bytes_fetched)  # (the train summary's line)
+            parts(opt).flow.fetches, parts(opt).flow.bytes_fetched)  # (the train summary's line)
         assert peak >= 2 * sum(p.numel() * 4 for p in model.model.layers[0].parameters())  # a block and the next
         masters = [state[i]["master_param"].clone() for i in range(len(names))]
     for p, master in zip(model.parameters(), masters):  # closed: too big for the device, left on the host
@@ -268,7 +269,7 @@ def _run_flow(omitted=()) -> dict[str, torch.Tensor]:
     model = tiny_llama(num_layers=2)
     opt = SuperOffloadAdamW(model.parameters(), lr=LR, model=model, max_grad_norm=1.0,
                             config=engine_config(device_buckets=0, weights="flow", speculation="on"))
-    opt._engine.transfer.omitted = frozenset(omitted)
+    parts(opt).transfer.omitted = frozenset(omitted)
     with opt:
         for step in range(3):
             (batch,) = micro_batches(step)
@@ -374,7 +375,7 @@ def test_auto_keeps_the_weights_stationary_where_they_fit(sim):
     model = tiny_llama(num_layers=1)
     with SuperOffloadAdamW(model.parameters(), model=model,
                            config=engine_config(device_buckets=0, weights="auto")) as opt:
-        assert opt._engine.flow is None and "weights flow" not in opt.describe()
+        assert parts(opt).flow is None and "weights flow" not in opt.describe()
 
 
 def test_the_timeline_shows_each_units_fetches_on_the_host_to_device_track(tmp_path):
@@ -466,7 +467,7 @@ def test_a_model_larger_than_the_device_saves_its_state_dict_and_resumes_bitwise
         want = _issue_uninterrupted()
     model = _issue_llama()
     with _issue_optimizer(model, weights) as opt:
-        flowing = [name for name, p in model.named_parameters() if opt._engine.flow.flows(p)]
+        flowing = [name for name, p in model.named_parameters() if parts(opt).flow.flows(p)]
         assert flowing, opt.describe()
         _issue_steps(model, opt, range(2))
         sim.reset_peak_memory_stats()
@@ -753,7 +754,7 @@ def test_close_records_the_compute_stream_on_each_storage_it_fetches_on_the_flow
     model(**batch).loss.backward()
     opt.step()
     opt.zero_grad()
-    runtime = opt._engine.runtime
+    runtime = parts(opt).runtime
     away = [p for p in model.parameters() if p.untyped_storage().nbytes() == 0]
     assert away  # released between uses: close() fetches them on the flow stream
     recorded, record = [], runtime.record_stream

@@ -35,7 +35,7 @@ wait for (its remaining reduce-scatters) before a collective on another group.
 Across the two threads (NCCL requires the collectives of different communicators to be issued in
 one order on every rank, or kernels of two communicators can wait for each other on a GPU): every
 collective is issued holding `issue_lock`, and a training-thread collective first runs
-`before_training` (engine/dp.py: the first one of a step waits until the worker has issued every
+`queued_gathers` (engine/dp.py: the first one of a step waits until the worker has issued every
 all-gather the last step queued). So the order on every rank is: step t's reduce-scatters, control
 and norm collectives (training thread), then its all-gathers (worker, job order), then step t+1's;
 never an interleaving that depends on thread timing. Collectives this module does not issue (the
@@ -142,6 +142,24 @@ def _destroy_process_groups() -> None:
         dist.destroy_process_group()
 
 
+class QueuedGathers:
+    """A port between the sharded route and the collectives: the route arms it (a weak reference
+    to its wait) when the worker may hold all-gathers not issued yet; the next training-thread
+    collective runs that wait once, first."""
+
+    def __init__(self):
+        self._armed: Optional[Callable[[], Optional[Callable[[], None]]]] = None
+
+    def arm(self, wait_ref: Callable[[], Optional[Callable[[], None]]]) -> None:
+        self._armed = wait_ref
+
+    def wait(self) -> None:
+        armed, self._armed = self._armed, None
+        wait = armed() if armed is not None else None
+        if wait is not None:
+            wait()
+
+
 class Collectives:
     """Process groups for one optimizer, and the collectives the engine issues on them."""
 
@@ -156,8 +174,8 @@ class Collectives:
         self.backend = backend  # of the data groups (the control group is gloo)
         self.has_reduce_scatter = True  # False after gloo refused one (see reduce_scatter_mean)
         self.issue_lock = threading.Lock()  # held while a collective is issued (module docstring)
-        # A weak reference to what a training-thread collective runs first (engine/dp.py sets it)
-        self.before_training: Optional[Callable[[], Optional[Callable[[], None]]]] = None
+        # what a training-thread collective runs first (engine/dp.py arms it: queued all-gathers)
+        self.queued_gathers = QueuedGathers()
         self.released = False
         _LIVE.add(self)
 
@@ -241,13 +259,12 @@ class Collectives:
     @contextlib.contextmanager
     def _issuing(self, training: bool = True):
         """Around every collective: the training thread's wait for the worker's queued ones
-        (`before_training`), then the lock that keeps the two threads' collectives apart."""
+        (`queued_gathers`), then the lock that keeps the two threads' collectives apart."""
         if self.released:  # group=None would silently mean the default group
             raise RuntimeError("SuperOffload: a collective of a closed optimizer (its process groups were released "
                                "at close() or at exit); build a new optimizer to keep training.")
-        hook = self.before_training() if training and self.before_training is not None else None
-        if hook is not None:
-            hook()
+        if training:
+            self.queued_gathers.wait()
         with self.issue_lock:
             yield
 
@@ -358,7 +375,7 @@ class Collectives:
         """As `all_gather`, from the training thread (weight-flow's fetches), on the gather group:
         a fetch pairs only with the same fetch on every rank (units in model order), never with a
         reduce-scatter, whatever gradients a rank lacks; the worker's all-gathers on that group
-        (step()'s copy-backs) are all issued before it (`before_training`)."""
+        (step()'s copy-backs) are all issued before it (`queued_gathers`)."""
         import torch.distributed as dist
 
         with self._issuing():

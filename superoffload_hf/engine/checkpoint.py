@@ -48,58 +48,38 @@ from __future__ import annotations
 
 import logging
 import types
-import zlib
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from superoffload_hf.plan.memory import COMPACT_KINDS
+from superoffload_hf.engine.precision import convert, precision_of
+from superoffload_hf.engine.saved import COMPACT_KEYS, FORMAT_VERSION, MASTER_KINDS, MOMENT_KEYS, tensor_crc32
+from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate, is_sharded_input
 from superoffload_hf.host.compact import scale_numel
 
 from superoffload_hf.errors import CorruptStateError  # noqa: F401 (raised here, caught by the CLI)
 
-FORMAT_VERSION = 1
-MOMENT_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master_param": "master"}
-COMPACT_KEYS = COMPACT_KINDS  # a compact entry's keys are its buffer kinds
-MASTER_KINDS = ("master", "master_bf16", "master_err")  # kept when an entry has no state
 
 logger = logging.getLogger("superoffload_hf")
 
 
 
 
-def tensor_crc32(tensor: torch.Tensor) -> int:
-    """CRC-32 of a tensor's values as contiguous CPU fp32 bytes (a read: no copy when the tensor
-    already is one)."""
-    values = tensor.detach().to("cpu", torch.float32).contiguous()
-    return zlib.crc32(values.reshape(-1).numpy()) if values.numel() else 0
-
-
-def state_dict(engine, groups: list[dict]) -> dict:
-    if engine.dp is not None:  # this rank's shard only (engine/shard_checkpoint.py)
-        return engine.dp.state_dict(groups, _extras(engine))
-    engine.synchronize()
+def state_dict(buckets, groups: list[dict], extras: Mapping[str, Any]) -> dict:
+    """The whole state (one process; the caller waited for the host's jobs). `extras`: the
+    "superoffload" entries (engine/core.py Engine.checkpoint_extras), the checksums added here."""
     state, checksums = {}, {}
-    for index, step in enumerate(engine.param_steps):
+    for index, step in enumerate(buckets.param_steps):
         if step == 0:
             continue  # as torch.optim: no state before a parameter's first step
-        values = engine.export_param(index)
+        values = buckets.export_param(index)
         keys = _entry_keys(values)
         state[index] = {"step": int(step), **{key: values[name] for key, name in keys.items()}}
         checksums[index] = {key: tensor_crc32(values[name]) for key, name in keys.items()}
     return {
         "state": dict(sorted(state.items())),
         "param_groups": _groups_with_indices(groups),
-        "superoffload": {
-            "format_version": FORMAT_VERSION,
-            "state_precision": engine.config.state_precision,
-            "loss_scale": engine.loss_scale.state_dict(),
-            "speculation": engine.policy.state_dict(),
-            "counters": engine.counters.counts(),
-            "plan": engine.learned,
-            "layout": engine.layout.to_dict(),
-            "checksums": dict(sorted(checksums.items())),
-        },
+        "superoffload": {**extras, "checksums": dict(sorted(checksums.items()))},
     }
 
 
@@ -114,39 +94,36 @@ class ParamStateView(Mapping):
     rank may read alone; a parameter with no element on this rank is absent. A managed
     parameter not stepped yet reads as {} (torch's defaultdict) but is not `in` the state."""
 
-    def __init__(self, engine):
-        self._engine = engine  # (not the optimizer: no reference cycle)
+    def __init__(self, route, params: list, index_of: Mapping, is_open: Callable[[], bool],
+                 synchronize: Callable[[], None], codec):
+        # the route's pieces (this process's, or this rank's shard), never the optimizer: no cycle
+        self._route, self._params, self._index_of = route, params, index_of
+        self._is_open, self._synchronize, self._codec = is_open, synchronize, codec
 
     def _index(self, p: Any) -> Optional[int]:
-        engine = self._engine
-        if engine.closed or not isinstance(p, torch.Tensor):
+        if not self._is_open() or not isinstance(p, torch.Tensor):
             return None
-        return engine.buckets.index_of.get(p)
+        return self._index_of.get(p)
 
     def _stepped(self) -> list[int]:
-        engine = self._engine
-        if engine.closed:
-            return []
-        steps = engine.param_steps
-        if engine.dp is None:
-            return [i for i, step in enumerate(steps) if step > 0]
-        return sorted({piece[0] for piece in engine.dp.pieces() if piece[4] > 0})
+        return self._route.stepped() if self._is_open() else []
 
     def __getitem__(self, p: Any) -> Mapping[str, torch.Tensor]:
         index = self._index(p)
         if index is None:
-            raise KeyError("not a parameter of this optimizer" + (" (it is closed)" if self._engine.closed else ""))
+            raise KeyError("not a parameter of this optimizer" + ("" if self._is_open() else " (it is closed)"))
         if index not in self._stepped():
             return types.MappingProxyType({})
-        return types.MappingProxyType(param_state(self._engine, index))
+        self._synchronize()
+        values, shape, step = self._route.param_values(index)
+        return types.MappingProxyType(param_state(values, shape, step, self._codec))
 
     def __contains__(self, p: Any) -> bool:
         index = self._index(p)
         return index is not None and index in self._stepped()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        params = self._engine.params
-        return iter([params[i] for i in self._stepped()])
+        return iter([self._params[i] for i in self._stepped()])
 
     def __len__(self) -> int:
         return len(self._stepped())
@@ -155,20 +132,12 @@ class ParamStateView(Mapping):
         return f"ParamStateView({len(self)} parameters with state)"
 
 
-def param_state(engine, index: int) -> dict[str, torch.Tensor]:
-    """Parameter `index`'s step and moments as new fp32 CPU tensors (ParamStateView)."""
-    from superoffload_hf.engine.precision import convert, precision_of
-
-    engine.synchronize()
-    shape = tuple(engine.params[index].shape)
-    if engine.dp is None:
-        values = engine.export_param(index)
-    else:
-        values = next(piece[5] for piece in engine.dp.pieces() if piece[0] == index)
-        shape = (-1,)
+def param_state(values: Mapping[str, torch.Tensor], shape: tuple, step: int, codec) -> dict[str, torch.Tensor]:
+    """A parameter's step and moments as new fp32 CPU tensors (ParamStateView), from its state
+    `values` (any precision: `codec` decodes compact state)."""
     if precision_of(values) != "fp32":
-        values = convert(values, "fp32", engine.buckets.codec)
-    out = {"step": torch.tensor(float(engine.param_steps[index]), dtype=torch.float32)}
+        values = convert(values, "fp32", codec)
+    out = {"step": torch.tensor(float(step), dtype=torch.float32)}
     for key in ("exp_avg", "exp_avg_sq"):
         out[key] = values[key].detach().to("cpu", torch.float32, copy=True).reshape(shape)
     return out
@@ -179,52 +148,41 @@ def _entry_keys(values: Mapping[str, Any]) -> dict[str, str]:
     return {key: key for key in COMPACT_KEYS} if "master_bf16" in values else MOMENT_KEYS
 
 
-def _extras(engine) -> dict:
-    return {"format_version": FORMAT_VERSION, "loss_scale": engine.loss_scale.state_dict(),
-            "speculation": engine.policy.state_dict(), "counters": engine.counters.counts(),
-            "layout": engine.layout.to_dict()}
-
-
-def load_state_dict(engine, groups: list[dict], sd: Any) -> None:
-    from superoffload_hf.engine.dp import is_sharded_input
-    from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate
-
-    if not is_sharded_input(sd):
-        sd = _state_by_position(sd)
-    if engine.dp is not None:  # any saved layout: this rank reads its own ranges
-        source = RangeSource.of(sd)
-        _check_layout({"state": {}, "param_groups": source.param_groups, "superoffload": {}}, groups)
-        engine.dp.load_state_dict(sd)
-        _load_extras(engine, groups, source.param_groups, source.extra)
-        engine.refresh_device_params()
-        return
+def load_state_dict(buckets, params: list, groups: list[dict], sd: Any, adopt_plan: Callable[[dict], None]) -> tuple:
+    """Load a whole state dict (one process; or every rank's shard files, consolidated here) into
+    `buckets`, checking everything before changing anything; the caller waited for the host's
+    jobs. `adopt_plan`: the saved learned plan (the engine re-plans before the state moves in).
+    Returns (saved param groups, the "superoffload" extras) for `load_extras`."""
     if is_sharded_input(sd):  # every rank's shard files, read in one process
         sd = consolidate(RangeSource.of(sd))
     _check_layout(sd, groups)
     saved_state = {int(index): entry for index, entry in sd["state"].items()}
     for index, entry in saved_state.items():  # check everything before changing anything
-        if not 0 <= index < len(engine.params):
+        if not 0 <= index < len(params):
             raise ValueError(f"The state dict has state for parameter {index}; this optimizer has "
-                             f"{len(engine.params)} parameters (0..{len(engine.params) - 1}).")
-        _check_entry(entry, index, tuple(engine.params[index].shape))
+                             f"{len(params)} parameters (0..{len(params) - 1}).")
+        _check_entry(entry, index, tuple(params[index].shape))
     _check_checksums(saved_state, (sd.get("superoffload") or {}).get("checksums"))
-    engine.synchronize()
-    if engine.has_pending_gradients():
+    if any(any(rt.present) for rt in buckets.runtimes):
         raise RuntimeError("load_state_dict() was called between backward and step(); load a checkpoint "
                            "before the backward of the step that should use it (or call zero_grad() first).")
     extra = sd.get("superoffload") or {}
     if extra.get("plan"):
-        engine.adopt_learned(extra["plan"])
+        adopt_plan(extra["plan"])
     converted: dict[tuple[str, str], int] = {}
-    for index in range(len(engine.params)):
-        change = _load_param(engine, index, saved_state.get(index, {}))
+    for index in range(len(params)):
+        change = _load_param(buckets, index, saved_state.get(index, {}))
         if change is not None:
             converted[change] = converted.get(change, 0) + 1
     for (saved, ours), count in sorted(converted.items()):
         logger.warning("SuperOffload: converted the saved optimizer state of %d parameter%s from %s to %s "
                        "(this optimizer's state precision there)", count, "" if count == 1 else "s", saved, ours)
-    _load_extras(engine, groups, sd["param_groups"], extra)
-    engine.refresh_device_params()
+    return sd["param_groups"], extra
+
+
+def by_position(sd: Any) -> Any:
+    """A single-process state dict keyed as torch.optim reads it (shard inputs as they are)."""
+    return sd if is_sharded_input(sd) else _state_by_position(sd)
 
 
 def _state_by_position(sd: Any) -> Any:
@@ -244,17 +202,20 @@ def _state_by_position(sd: Any) -> Any:
     return {**sd, "state": state}
 
 
-def _load_extras(engine, groups: list[dict], saved_groups: list, extra: Mapping[str, Any]) -> None:
+def load_extras(groups: list[dict], saved_groups: list, extra: Mapping[str, Any], *, loss_scale, policy, counters,
+                layout) -> None:
+    """The saved hyperparameters into `groups`; the loss scale, the speculation policy's record
+    and the counters; one notice where the saved layout differs from `layout`."""
     for group, saved in zip(groups, saved_groups):
         group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
     if "loss_scale" in extra:
-        engine.loss_scale.load_state_dict(extra["loss_scale"])
+        loss_scale.load_state_dict(extra["loss_scale"])
     if "speculation" in extra:
-        engine.policy.load_state_dict(extra["speculation"])
+        policy.load_state_dict(extra["speculation"])
     if "counters" in extra:
-        engine.counters.load_dict(extra["counters"])
+        counters.load_dict(extra["counters"])
     if extra.get("layout"):
-        check_layout_change(engine.layout, extra["layout"])
+        check_layout_change(layout, extra["layout"])
 
 
 def check_layout_change(layout, saved: Mapping[str, Any]) -> list[str]:
@@ -267,34 +228,37 @@ def check_layout_change(layout, saved: Mapping[str, Any]) -> list[str]:
     return changed
 
 
-def _load_param(engine, index: int, entry: Mapping[str, Any]):
+def _import(buckets, index: int, values: Mapping[str, torch.Tensor], step: int) -> bool:
+    """Whether the state was converted (another state precision than its bucket's)."""
+    converted = buckets.import_param(index, values)
+    buckets.param_steps[index] = int(step)
+    return converted
+
+
+def _load_param(buckets, index: int, entry: Mapping[str, Any]):
     """An empty entry (no state saved: never stepped) resets the moments and the step count
     and keeps the current master weights; a torch.optim entry has no master either (the current
     one, as fp32). Returns (saved precision, this bucket's) where it converted, else None."""
-    from superoffload_hf.engine.precision import convert, precision_of
-
     step = int(float(entry.get("step", 0)))
     if "master_bf16" in entry:
-        return _converted(engine, index, engine.import_param(index, {k: entry[k] for k in COMPACT_KEYS}, step), entry)
-    current = engine.export_param(index)
+        return _converted(buckets, index, _import(buckets, index, {k: entry[k] for k in COMPACT_KEYS}, step), entry)
+    current = buckets.export_param(index)
     if not entry:  # the current master (in its precision), zero moments
         values = {kind: (t if kind in MASTER_KINDS else torch.zeros_like(t)) for kind, t in current.items()}
-        engine.import_param(index, values, step)
+        _import(buckets, index, values, step)
         return None
     if "master_param" not in entry:  # torch.optim
-        master = convert(current, "fp32", engine.buckets.codec)["master"] if precision_of(current) != "fp32" else current["master"]
+        master = convert(current, "fp32", buckets.codec)["master"] if precision_of(current) != "fp32" else current["master"]
         entry = {**entry, "master_param": master}
     values = {name: entry[key] for key, name in MOMENT_KEYS.items()}
-    return _converted(engine, index, engine.import_param(index, values, step), entry)
+    return _converted(buckets, index, _import(buckets, index, values, step), entry)
 
 
-def _converted(engine, index: int, converted: bool, entry: Mapping[str, Any]):
-    from superoffload_hf.engine.precision import precision_of
-
+def _converted(buckets, index: int, converted: bool, entry: Mapping[str, Any]):
     if not converted:
         return None
     saved = precision_of({k: entry[k] for k in ("master_bf16", "master_err") if k in entry})
-    return saved, engine.buckets.precision_of(index)
+    return saved, buckets.precision_of(index)
 
 
 def _check_entry(entry: Mapping[str, Any], index: int, shape: tuple) -> None:

@@ -17,11 +17,11 @@ from superoffload_hf.host import reference
 
 
 class Committer:
-    def __init__(self, *, buckets, worker, jobs, waiter, step_state, counters, adamw: bool, dp, policy,
+    def __init__(self, *, buckets, worker, jobs, waiter, step_state, counters, adamw: bool, route, policy,
                  loss_scale):
         self.buckets, self.worker, self.jobs, self.waiter = buckets, worker, jobs, waiter
         self.step, self.counters, self.adamw = step_state, counters, adamw
-        self.dp, self.policy, self.loss_scale = dp, policy, loss_scale
+        self.route, self.policy, self.loss_scale = route, policy, loss_scale
 
     def global_sum_squares(self) -> float:
         parts = {}
@@ -37,12 +37,7 @@ class Committer:
             if rt.staged:
                 self.waiter.wait(rt.norm_ready, f"norm of bucket {rt.bucket.index}")
                 parts[rt.bucket.index] = rt.sumsq
-        dp = self.dp
-        if dp is not None:  # the host parts are this rank's shards: summed over the ranks
-            host = {rt.bucket.index for rt in self.buckets.host()}
-            return dp.global_sum_squares(sum(parts[i] for i in sorted(parts) if i in host),
-                                         sum(parts[i] for i in sorted(parts) if i not in host))
-        return sum(parts[i] for i in sorted(parts))  # float64, in bucket order: deterministic
+        return self.route.global_sum_squares(parts)  # (data parallel: the host parts are this rank's shards)
 
     def apply(self, decision: Decision) -> None:
         skip = decision.kind == "skip"
@@ -65,8 +60,8 @@ class Committer:
                 self.worker.submit(functools.partial(self.jobs.rollback, rt, spec, call), rt.pending)
                 self.step.rolled_back = True
                 self.step.replayed |= call is not None
-            elif self.jobs.gather is not None:  # data parallel: the committed shard's all-gather
-                self.worker.submit(functools.partial(self.jobs.copy_back, rt, call), rt.pending)
+            else:  # committed as it was stepped (data parallel: its shard's all-gather now)
+                self.route.commit_speculative(rt, call)
         elif call is not None:
             self.worker.submit(functools.partial(self.jobs.step, rt, call), rt.pending)
             self.step.replayed |= rt.redo

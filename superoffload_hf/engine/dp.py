@@ -76,9 +76,10 @@ import torch
 from superoffload_hf.engine.buffers import BucketBuffers
 from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
 from superoffload_hf.plan.shard import shard_of
-from superoffload_hf.engine.checkpoint import MASTER_KINDS
+from superoffload_hf.engine.checkpoint import _check_layout, _groups_with_indices
 from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS
-from superoffload_hf.engine.shard_checkpoint import FP32_KINDS, RangeSource, is_shard_state, shard_state_dict
+from superoffload_hf.engine.saved import MASTER_KINDS
+from superoffload_hf.engine.shard_checkpoint import FP32_KINDS, RangeSource, shard_state_dict, write_shards
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 logger = logging.getLogger("superoffload_hf")
@@ -124,16 +125,19 @@ def broadcast_params(collectives, params) -> None:
         collectives.broadcast([p.detach() for p in params])
 
 
+SHARD_EXTRAS = ("format_version", "loss_scale", "speculation", "counters", "layout")
+
+
 class DataParallel:
     def __init__(self, collectives, *, params, buckets, transfer, runtime, worker, jobs, waiter, step_state,
-                 counters):
-        # The collaborators it uses, never the engine: a dropped (or closed) data-parallel
-        # optimizer frees its buffers without the cyclic collector. The collector (which holds
-        # this object) comes later, weakly: `use_collector`.
+                 counters, speculation, policy, link_dtype: torch.dtype, gather):
+        # The collaborators it uses, never the engine or the collector: a dropped (or closed)
+        # data-parallel optimizer frees its buffers without the cyclic collector.
         self.coll, self.params, self.buckets = collectives, params, buckets
         self.transfer, self.runtime = transfer, runtime
         self.worker, self.jobs, self.waiter, self.step_state, self.counters = worker, jobs, waiter, step_state, counters
-        self._collector = lambda: None
+        self.speculation, self.policy, self.link_dtype = speculation, policy, link_dtype
+        self.gather = gather  # engine/gather.py: the copy-backs' and weight-flow's all-gathers
         t = collectives.topology
         self.rank, self.world = t.shard_rank, t.shard_world
         self.shard = sharding(collectives, buckets.plan.align)
@@ -153,25 +157,24 @@ class DataParallel:
         self._launched = 0
         self._ready: set[int] = set()
         self._held_logged = False
-        self._gather_pairs: dict[torch.dtype, tuple] = {}  # worker thread only (_gather_buffers)
-        # Set when copy-backs (the worker's all-gathers) may be queued and not issued yet: after
-        # step()'s norm all-reduce (Committer.apply queues them next) and refresh_device_params(). Weak: no cycle through
-        # the collectives.
-        self._gathers_queued = False
-        collectives.before_training = weakref.WeakMethod(self.wait_for_queued_gathers)
-        self.flows = lambda p: False  # weight-flow (engine/flow.py): its parameters are gathered at each fetch
 
-    def use_collector(self, collector) -> None:
-        """The engine's Collector, held weakly (a weakref.proxy would not do: a dead proxy that
-        gc.get_objects() hands to an isinstance check raises ReferenceError)."""
-        self._collector = weakref.ref(collector)
+    def _gathers_queued(self) -> None:
+        """Copy-backs (the worker's all-gathers) may be queued and not issued yet: after step()'s
+        norm all-reduce (Committer.apply queues them next) and refresh_device_params(). The
+        collectives' next training-thread collective waits for them first (weakly: no cycle
+        through the collectives)."""
+        self.coll.queued_gathers.arm(weakref.WeakMethod(self.wait_for_queued_gathers))
 
-    @property
-    def collector(self):
-        return self._collector()
+    # what step() and the optimizer ask of a route (engine/route.py has the local one)
+    alone = False  # other ranks may have gradients where this one has none: finish() tells
+    learns_plans = False  # every rank keeps the initial plan (no re-planning of sharded state)
 
     def describe(self) -> str:
-        return f"data parallel {self.coll.describe()}, {self.buckets.shard_numel()} host elements here"
+        return f", data parallel {self.coll.describe()}, {self.buckets.shard_numel()} host elements here"
+
+    def host_elements(self) -> int:
+        """The host state's elements held on this rank (its shards)."""
+        return sum(rt.shard.used_numel for rt in self.buckets.host())
 
     # ---- training thread: gradients in ---------------------------------------------------------
 
@@ -189,7 +192,7 @@ class DataParallel:
             rt.move(BucketState.COLLECTING)
         slot = rt.bucket.slots[k]
         if rt.round_dev is None:
-            rt.round_dev = self.transfer.device_empty(rt.shard.padded_numel, self.collector.link_dtype).zero_()
+            rt.round_dev = self.transfer.device_empty(rt.shard.padded_numel, self.link_dtype).zero_()
         if rt.present[k] and rt.round_dev.dtype != FP32:
             rt.round_dev = rt.round_dev.float()  # accumulation over micro-batches in fp32
         view = BucketBuffers.view(rt.round_dev, slot)
@@ -201,7 +204,7 @@ class DataParallel:
         rt.fires[k] += 1
         if rt.round_complete:
             rt.round_fired = [False] * len(rt.bucket.slots)
-            if rt.bucket.speculative and self.collector._is_last_micro_batch(rt):
+            if rt.bucket.speculative and self.speculation.is_last_micro_batch(rt):
                 self._ready.add(rt.bucket.index)
                 self._ready_seq.append(rt.bucket.index)
                 self._launch_in_order()
@@ -234,7 +237,7 @@ class DataParallel:
         while self._launched < len(order) and order[self._launched].bucket.index in self._ready:
             rt = order[self._launched]
             self._launched += 1
-            self.launch(rt, self.collector._speculative_call(rt))
+            self.launch(rt, self.speculation.call(rt))
 
     def launch(self, rt: BucketRuntime, spec) -> None:
         """Reduce-scatter the bucket; its shard to the host; queue the shard's norm (and step)."""
@@ -243,14 +246,14 @@ class DataParallel:
     def _send(self, rt: BucketRuntime) -> tuple:
         """The bucket's reduce-scatter and the shard's copy to the host (LAUNCHED); returns what
         the receive job needs."""
-        link = self.collector.link_dtype
+        link = self.link_dtype
         flat, rt.round_dev = rt.round_dev, None
         if flat is None:  # no gradient here, but on another rank: this rank adds zeros
             flat = self.transfer.device_empty(rt.shard.padded_numel, link).zero_()
         else:
             if flat.dtype != link:
                 flat = flat.to(link)
-            if rt.bucket.speculative and self.collector.policy.may_speculate():
+            if rt.bucket.speculative and self.policy.may_speculate():
                 flat = spread_nonfinite(flat)
         shard_dev = self.transfer.device_empty(rt.shard.numel, link)
         self._host_collective_ready()
@@ -304,10 +307,10 @@ class DataParallel:
         return True
 
     def wait_for_queued_gathers(self) -> None:
-        """Returns once the host worker has issued (not completed: NCCL runs them on the h2d
-        stream) every all-gather queued since the last call: step()'s copy-backs. The engine calls
-        it at the end of step(), and before a training-thread collective of its own
-        (Collectives.before_training) after refresh_device_params().
+        """Returns once the host worker has run every job queued so far, so it has issued (on NCCL
+        not completed: they run on the h2d stream) every all-gather queued: step()'s copy-backs.
+        The engine calls it at the end of step(), and the collectives call it before a
+        training-thread collective of the engine's own (Collectives.queued_gathers).
 
         The hazard: NCCL needs the collectives of different communicators issued in one order on
         every rank, or kernels of two communicators wait for each other (a hang). Code the engine
@@ -321,12 +324,9 @@ class DataParallel:
         issues, on any group, by any means (torch.distributed's functions, functional
         collectives, another library's own calls): no wrapper of torch.distributed could see them
         all. The cost: the next forward no longer overlaps the worker's host work queued at
-        step() (the Adam step of a bucket launched at step(), the replay of rolled-back buckets)
-        beyond its first bucket. A step whose speculative steps all commit queues only copy-backs,
-        which the worker issues back to back (on NCCL without waiting for them to complete)."""
-        if not self._gathers_queued:
-            return
-        self._gathers_queued = False
+        step() (the Adam step of a bucket launched at step(), the replay of rolled-back buckets).
+        A step whose speculative steps all commit queues only copy-backs, which the worker issues
+        back to back."""
         for rt in self.buckets.host():
             self.waiter.wait_idle(rt)
 
@@ -356,7 +356,7 @@ class DataParallel:
         each shard is stepped on one rank only: no speculation at step(), where it cannot overlap."""
         if self.coll.topology.replicas == 1 or not rt.bucket.speculative:
             return None
-        return self.collector._speculative_call(rt)
+        return self.speculation.call(rt)
 
     def _log_held(self, rest: list[BucketRuntime]) -> None:
         """Once: buckets complete during backward but held behind one this rank had no
@@ -392,14 +392,22 @@ class DataParallel:
         for rt in self.buckets.host():
             rt.round_dev = None
             if rt.launched:
-                self.collector.reopen(rt)
+                self.waiter.reopen(rt)
 
-    def global_sum_squares(self, host: float, device: float) -> float:
+    def global_sum_squares(self, parts: dict[int, float]) -> float:
         """Local shards' sum all-reduced over the shard group (one float64 scalar), plus the
-        device-resident buckets' (their averaged gradients are the same on every rank)."""
+        device-resident buckets' (their averaged gradients are the same on every rank).
+        `parts`: every bucket's sum of squares here, by bucket index (a host bucket's: its shard's)."""
+        host_buckets = {rt.bucket.index for rt in self.buckets.host()}
+        host = sum(parts[i] for i in sorted(parts) if i in host_buckets)
+        device = sum(parts[i] for i in sorted(parts) if i not in host_buckets)
         total = self.coll.all_reduce_sum(host) + device
-        self._gathers_queued = True  # step()'s last collective: the copy-backs are queued next
+        self._gathers_queued()  # step()'s last collective: the copy-backs are queued next
         return total
+
+    def commit_speculative(self, rt: BucketRuntime, call) -> None:
+        """The committed shard's all-gather (the speculative step sent nothing: engine/gather.py)."""
+        self.worker.submit(functools.partial(self.jobs.copy_back, rt, call), rt.pending)
 
     def _host_collective_ready(self) -> None:
         """gloo reads device tensors from the host at once: what the current stream has queued
@@ -410,92 +418,17 @@ class DataParallel:
             done.record(rt.current_stream())
             done.synchronize()
 
-    # ---- worker thread: weights out -------------------------------------------------------------
-
-    def gather_back(self, rt: BucketRuntime):
-        """The updated shard to the device; all-gather the bucket's weights into its parameters.
-        Returns the event the next forward waits on. The host must not write the shard's
-        master/lowp before that event (HostJobs waits for it)."""
-        runtime, transfer = self.runtime, self.transfer
-        src = rt.bufs.copy_back_source  # compact state: the bf16 part of the master, as it is
-        dtype = rt.params[0].dtype if rt.params else src.dtype
-        with torch.no_grad(), runtime.thread_device(), runtime.on_stream(transfer.h2d):
-            fence = getattr(transfer, "_fence", None)
-            if fence is not None:  # copy-backs wait for kernels queued before step() (see Transfer.fence)
-                transfer.h2d.wait_event(fence)
-            flat_dev, shard_dev = self._gather_buffers(dtype, rt.shard.padded_numel, rt.shard.numel)
-            if self.coll.backend == "nccl" or not transfer.is_async:
-                runtime.copy_(shard_dev, src)  # casts fp32 masters to the parameters' dtype on the way
-                self.coll.all_gather(shard_dev, flat_dev)  # NCCL: in stream order on h2d
-            else:  # gloo with an asynchronous device (the simulated one): gather in host memory
-                flat_host = runtime.host_empty(rt.shard.padded_numel, dtype)
-                self.coll.all_gather(src.to(dtype), flat_host)
-                runtime.copy_(flat_dev, flat_host)
-            for p, slot in zip(rt.params, rt.bucket.slots):
-                if self.flows(p):
-                    continue  # released between uses: its next fetch gathers the new weights
-                # through .data: the engine's own write leaves p's version to step() (waits.py)
-                runtime.copy_(p.data, BucketBuffers.view(flat_dev, slot).view(p.shape))
-                runtime.record_stream(p.detach(), transfer.h2d)
-            done = runtime.new_event()
-            done.record(transfer.h2d)
-        self.counters.add("bytes_h2d", src.numel() * src.element_size())
-        return done
-
-    def all_flow(self, rt: BucketRuntime) -> bool:
-        """Every parameter of the bucket flows: no copy-back all-gather (the same answer on every rank)."""
-        return all(self.flows(p) for p in rt.params)
-
-    def gather_for_flow(self, rt: BucketRuntime) -> torch.Tensor:
-        """Training thread, on the current stream (weight-flow's): the bucket's weights, whole
-        (padded), from every rank's shard of its copy-back source. A collective (on the gather
-        group, Collectives.all_gather_training): every rank fetches the same units in the same
-        order (the forward's, then the backward's). On gloo a collective blocks until the peers
-        issue it, so the fetches and the reduce-scatters launched during backward must interleave
-        alike on every rank: they do where every rank has the same parameters' gradients (as DDP
-        without `find_unused_parameters`); otherwise the ranks wait for each other until the
-        process group's timeout (never a fetch paired with a reduce-scatter)."""
-        runtime, transfer = self.runtime, self.transfer
-        src = rt.bufs.copy_back_source  # the shard: lowp (cast host), fp32 master, or compact's bf16 part
-        dtype = rt.params[0].dtype
-        if self.coll.backend == "nccl" or not transfer.is_async:
-            flat = runtime.device_empty(rt.shard.padded_numel, dtype)
-            shard_dev = runtime.device_empty(rt.shard.numel, dtype)
-            runtime.copy_(shard_dev, src)  # casts fp32 masters to the parameters' dtype on the way
-            self.coll.all_gather_training(shard_dev, flat)  # NCCL: in stream order
-            return flat
-        # gloo with an asynchronous device (the simulated one): gathered in host memory, which
-        # the fetch's copies read (the copy source is kept alive until they run)
-        flat_host = runtime.host_empty(rt.shard.padded_numel, dtype)
-        self.coll.all_gather_training(src.to(dtype), flat_host)
-        return flat_host
-
-    def _gather_buffers(self, dtype: torch.dtype, padded: int, numel: int) -> tuple:
-        """Views of this rank's two all-gather buffers (the whole bucket, the rank's shard), one
-        pair per dtype sized to the largest host bucket, reused by every copy-back: a fresh pair
-        per call stays alive until the process group drops the finished collective's work (gloo
-        does so from its own thread, a moment later), so the memory held would depend on timing.
-        Reuse is safe: every use is on the host-to-device stream, in copy-back order (NCCL's own
-        stream waits for it before the collective, and it for NCCL after)."""
-        pair = self._gather_pairs.get(dtype)
-        if pair is None:
-            host = [rt.shard for rt in self.buckets.host()]
-            runtime = self.runtime
-            pair = self._gather_pairs[dtype] = (
-                runtime.device_empty(max(sh.padded_numel for sh in host), dtype),
-                runtime.device_empty(max(sh.numel for sh in host), dtype))
-        return pair[0][:padded], pair[1][:numel]
-
     def release(self) -> None:
         """close(): drop the all-gather buffers (device memory; the worker is stopped) and the
         process groups (their gloo threads end with the last reference)."""
-        self._gather_pairs.clear()
+        self.gather.release()
         self.coll.release()
 
-    def refresh_device_params(self) -> None:
+    def refresh_device_params(self, skip: Callable[[torch.Tensor], bool]) -> None:
         """Every host bucket's weights from the shards' masters (after loading state), in bucket
-        order on every rank; device-resident buckets from their own masters."""
-        self._gathers_queued = True
+        order on every rank; device-resident buckets from their own masters. (`skip`, weight-flow's
+        parameters: the gather knows them.)"""
+        self._gathers_queued()
         for rt in self.buckets.host():
             self.worker.submit(functools.partial(self._refresh, rt), rt.pending)
         with torch.no_grad():
@@ -508,8 +441,8 @@ class DataParallel:
         self.transfer.wait_host_before_write(rt.h2d_event)
         if rt.bufs.lowp is not None:
             rt.bufs.lowp.copy_(rt.bufs.master)
-        if not self.all_flow(rt):
-            rt.h2d_event = self.gather_back(rt)
+        if not self.gather.all_flow(rt):
+            rt.h2d_event = self.gather.gather_back(rt)
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
@@ -528,12 +461,32 @@ class DataParallel:
                 yield (piece.index, piece.param_start, piece.param_end, slot.shape,
                        self.buckets.param_steps[piece.index], _range_views(rt.bufs, lo, hi))
 
-    def state_dict(self, groups: list, extra: Mapping[str, Any]) -> dict:
-        self.waiter.synchronize()
-        from superoffload_hf.engine.checkpoint import _groups_with_indices
-
+    def state_dict(self, groups: list, extras: Mapping[str, Any]) -> dict:
+        """This rank's shard (the caller waited for the host's jobs): `extras` less the learned
+        plan and the state precision, which a shard file does not keep."""
+        extra = {k: v for k, v in extras.items() if k in SHARD_EXTRAS}
         return shard_state_dict(self.pieces(), rank=self.rank, world=self.world,
                                 param_groups=_groups_with_indices(groups), extra=extra)
+
+    def stepped(self) -> list[int]:
+        """The parameters with state on this rank (a piece of them, stepped)."""
+        return sorted({piece[0] for piece in self.pieces() if piece[4] > 0})
+
+    def param_values(self, index: int) -> tuple:
+        """(this rank's piece of parameter `index`'s state, its shape: flat, its step)."""
+        values = next(piece[5] for piece in self.pieces() if piece[0] == index)
+        return values, (-1,), self.buckets.param_steps[index]
+
+    def save(self, directory: str, state_dict: Callable[[], dict]) -> list[str]:
+        return write_shards(self.coll, directory, state_dict)
+
+    def load_state(self, sd: Any, groups: list, adopt_plan: Callable[[dict], None]) -> tuple:
+        """Any saved layout: this rank reads its own ranges (a saved learned plan is not
+        applied: every rank keeps the initial plan). Returns (saved param groups, extras)."""
+        source = RangeSource.of(sd)
+        _check_layout({"state": {}, "param_groups": source.param_groups, "superoffload": {}}, groups)
+        self.load_state_dict(sd)
+        return source.param_groups, source.extra
 
     def load_state_dict(self, state: Any) -> RangeSource:
         """Load this rank's ranges from any saved layout (a list of every rank's shard state
@@ -606,15 +559,9 @@ def spread_nonfinite(flat: torch.Tensor) -> torch.Tensor:
 
 def _range_views(bufs: BucketBuffers, lo: int, hi: int, kinds: bool = False) -> dict[str, torch.Tensor]:
     """Views of elements [lo, hi) of a bucket's (or shard's) state: its six compact kinds (the
-    scales of the groups from `lo`, a multiple of the group: plan/shard.py), or the fp32 master and
+    scales of the groups from `lo`, a multiple of the group: shard.py), or the fp32 master and
     moments, keyed as the shard files are (`kinds`: by buffer kind)."""
     if bufs.compact:
         return {kind: (getattr(bufs, kind)[lo // COMPACT_GROUP:scale_numel(hi)] if kind in SCALE_KINDS
                        else getattr(bufs, kind)[lo:hi]) for kind in COMPACT_KINDS}
     return {(kind if kinds else key): getattr(bufs, kind)[lo:hi] for key, kind in FP32_KINDS.items()}
-
-
-def is_sharded_input(state: Any) -> bool:
-    """A list of shard state dicts, or one."""
-    return is_shard_state(state) or (isinstance(state, (list, tuple)) and bool(state)
-                                     and all(is_shard_state(s) for s in state))

@@ -55,6 +55,13 @@ from torch.utils._pytree import tree_leaves
 
 from superoffload_hf.plan.flow import FlowPlan, UnitSpec
 
+def flowing(plan: Optional[FlowPlan], params: list[torch.Tensor]) -> Callable[[torch.Tensor], bool]:
+    """Whether a parameter flows under `plan` (None: none does); for the parts built before the
+    flow (the host jobs and the gather skip its copy-backs)."""
+    ids = frozenset() if plan is None else frozenset(id(params[i]) for spec in plan.units for i in spec.params)
+    return lambda p: id(p) in ids
+
+
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -80,15 +87,15 @@ class _Unit:
 class WeightFlow:
     """The run-time part: gets the plan, the parameters, the buckets (for the host sources and
     their fetch events), the runtime, the transfer (whose `omitted` the mutation tests set), the
-    waiter (the buckets' host jobs; set once the engine has built it), counters and timeline."""
+    waiter (the buckets' host jobs), counters and timeline. One process: the host copy that
+    flows is the bucket's own; under data parallelism it is the ranks' shards, gathered
+    (engine/flow_sharded.py ShardedWeightFlow, which build picks)."""
 
-    def __init__(self, plan: FlowPlan, params: list[torch.Tensor], buckets, runtime, transfer, waiter=None,
-                 counters=None, timeline=None, gather=None):
+    read_hint = ""  # how model.state_dict() reads flowing weights, in messages (sharded: a collective)
+
+    def __init__(self, plan: FlowPlan, params: list[torch.Tensor], buckets, runtime, transfer, waiter,
+                 counters=None, timeline=None):
         self.plan, self.buckets, self.runtime, self.waiter = plan, buckets, runtime, waiter
-        # Data parallel (engine/dp.py `gather_for_flow`; set once it is built): a bucket's rank
-        # shards all-gathered into its whole weights, on the current stream: a collective.
-        self.gather = gather
-        self.all_ranks_true: Optional[Callable[[bool], bool]] = None  # data parallel: one decision for all
         self.counters = counters  # OffloadCounters: fetched bytes count in bytes_h2d
         self.timeline = timeline  # perf/timeline.py: each fetch on the h2d track (host issue time)
         self.transfer = transfer  # its `omitted` (the mutation tests) also names flow's syncs
@@ -98,16 +105,17 @@ class WeightFlow:
         self.order: list[_Unit] = []  # forward order, learned by the first forward
         self.last_release = None  # event on compute after the last released weights' readers
         self.names: dict[int, str] = {}  # id(param) -> its name in the model (for messages)
-        # Data parallel, prepare_state_dict(): rank 0's host copies of every flowing weight (id ->
-        # tensor) until the next forward, step or write; on the other ranks `gathered_elsewhere`
-        self.rank = 0  # the global rank (set with `gather`)
-        self.gathered: Optional[dict[int, torch.Tensor]] = None
-        self.gathered_elsewhere = False
         self.fetches = 0
         self.bytes_fetched = 0
 
     def flows(self, p: torch.Tensor) -> bool:
         return id(p) in self.param_ids
+
+    def use_plan(self, plan: FlowPlan) -> None:
+        """A re-planned prefetch depth (engine/core.py): read from the next prefetch on."""
+        if plan.units != self.plan.units:
+            raise ValueError("a weight-flow re-plan may change the prefetch depth only, not the flowing units")
+        self.plan = plan
 
     def _keeps(self, sync: str) -> bool:
         return sync not in self.transfer.omitted
@@ -168,19 +176,7 @@ class WeightFlow:
                 return unit.holding
             if all(id(p) in unit.saved for p in unit.params):
                 return {id(p): unit.saved[id(p)] for p in unit.params}
-        if self.gathered is not None:
-            values = {id(p): self.gathered[id(p)] for p in unit.params}
-        elif self.gathered_elsewhere:
-            raise RuntimeError(
-                f"model.state_dict() on rank {self.rank} after optimizer.fetch_weights(): under data parallelism "
-                "with `weights: flow` fetch_weights() gathers the flowing weights for rank 0 only (rank 0's "
-                "state_dict() then needs no other rank; the Trainer saves there). Take the state dict on rank 0, "
-                "or call model.state_dict() on every rank together without fetch_weights() (a gather, every rank "
-                "gets the whole dict).")
-        elif self.gather is None:
-            values = self._host_copies_of_source(unit)
-        else:
-            values = self._gather_to_host(unit)
+        values = self._state_values(unit)
         if destination is not None:
             unit.saved_for = weakref.ref(destination)
             unit.saved = weakref.WeakValueDictionary(values)
@@ -189,6 +185,9 @@ class WeightFlow:
 
     def unit_saved(self, unit: _Unit, *args) -> None:
         unit.holding = None
+
+    def _state_values(self, unit: _Unit) -> dict[int, torch.Tensor]:
+        return self._host_copies_of_source(unit)
 
     def _host_copies_of_source(self, unit: _Unit) -> dict[int, torch.Tensor]:
         self.waiter.wait_for_params(unit.params)
@@ -202,26 +201,6 @@ class WeightFlow:
                 values[id(p)] = host
         return values
 
-    def _gather_to_host(self, unit: _Unit) -> dict[int, torch.Tensor]:
-        """Data parallel: the unit's buckets all-gathered (a collective, in bucket order on every
-        rank) and its weights copied to the host, one bucket on the device at a time."""
-        rt = self.runtime
-        self.waiter.wait_for_params(unit.params)
-        self._refuse_speculated(unit)
-        hosts = {id(p): rt.host_empty(p.numel(), p.dtype) for p in unit.params}
-        with torch.no_grad(), rt.on_stream(self.stream):
-            if self.last_release is not None and self._keeps("fetch_waits_release"):
-                self.stream.wait_event(self.last_release)  # (the gather's buffer may be released memory)
-            for bucket_rt in self._buckets_of(unit):
-                flat = self.gather(bucket_rt)
-                for p, slot in zip(bucket_rt.params, bucket_rt.bucket.slots):
-                    if id(p) in hosts:
-                        rt.copy_(hosts[id(p)], flat[slot.offset:slot.offset + slot.numel])
-            done = rt.new_event()
-            done.record(self.stream)
-        done.synchronize()  # the host tensors are read as soon as this returns
-        return {id(p): hosts[id(p)].view(p.shape) for p in unit.params}
-
     def prepare_state_dict(self) -> None:
         """optimizer.fetch_weights(), on every rank together. Data parallel: every unit gathered
         now (the collectives), rank 0 keeping the host copies, so that rank 0's
@@ -229,22 +208,13 @@ class WeightFlow:
         the writing on rank 0); kept until the next forward, step(), load or write. One process:
         nothing to do (the state dict reads the host copies)."""
         self.forget_gathered()
-        if self.gather is None:
-            return
-        gathered = {}
-        for unit in self.units:
-            values = self._gather_to_host(unit)
-            if self.rank == 0:
-                gathered.update(values)
-        if self.rank == 0:
-            self.gathered = gathered
-        else:
-            self.gathered_elsewhere = True
 
     def forget_gathered(self) -> None:
-        self.gathered, self.gathered_elsewhere = None, False
         for unit in self.units:
             unit.holding = None
+
+    def _new_forward(self) -> None:
+        """A forward (not a recomputation) begins: nothing here (sharded: fetch_weights()'s copies go)."""
 
     def before_load(self, unit: _Unit, *args) -> None:
         if unit.resident and not in_backward():
@@ -265,17 +235,16 @@ class WeightFlow:
         self.waiter.wait_idle(bucket_rt)
         with torch.no_grad():
             flat = value.detach().to("cpu", p.dtype).expand(p.shape).reshape(-1)
-            if self.gather is None:
-                _, slot = self.buckets.slot_of(index)
-                pieces = [(slot.offset, 0, slot.numel)]
-            else:
-                pieces = [(piece.offset, piece.param_start, piece.numel) for piece in bucket_rt.shard.pieces
-                          if piece.index == index]
-            for offset, start, numel in pieces:
+            for offset, start, numel in self._pieces(index, bucket_rt):
                 _write_weights(bucket_rt.bufs, offset, flat[start:start + numel])
         torch.autograd.graph.increment_version(p)  # (as an in-place write does: autograd refuses stale saves)
 
     # ---- the hooks ---------------------------------------------------------------------------
+
+    def _pieces(self, index: int, bucket_rt) -> list[tuple[int, int, int]]:
+        """(offset in the bucket's host copy, start in the parameter, elements) of parameter `index`."""
+        _, slot = self.buckets.slot_of(index)
+        return [(slot.offset, 0, slot.numel)]
 
     def before_forward(self, unit: _Unit, module, args) -> None:
         if _under_torch_compile():
@@ -286,8 +255,7 @@ class WeightFlow:
                 "`weights: stationary` (or `auto` where the weights fit on the device) to use torch.compile.")
         backward = in_backward()  # a recomputation under gradient checkpointing
         if not backward:
-            if self.gathered is not None or self.gathered_elsewhere:
-                self.forget_gathered()
+            self._new_forward()
             if unit not in self.order:
                 self.order.append(unit)
         self.ensure(unit)
@@ -343,21 +311,14 @@ class WeightFlow:
         # The buckets' host jobs have finished writing these weights (a speculatively stepped
         # bucket is rolled back first: a forward before step() reads the weights of before it).
         self.waiter.wait_for_params(unit.params)
-        if self.gather is not None:
-            self._refuse_speculated(unit)
+        self._before_fetch(unit)
         start = time.perf_counter()
         _mark_resident(unit)
         with torch.no_grad(), rt.on_stream(self.stream):
             if self.last_release is not None and self._keeps("fetch_waits_release"):
                 # the memory the allocator hands out may be a released unit's: its readers first
                 self.stream.wait_event(self.last_release)
-            if self.gather is None:
-                for p, nbytes in zip(unit.params, unit.nbytes):
-                    rt.resize_storage(p, nbytes)  # allocated on the flow stream
-                    rt.copy_(p.data, self.source(p))  # (p.data: a version counter of its own)
-                    rt.record_stream(p.data, self.stream)
-            else:
-                self._gather_unit(unit)
+            self._fetch_unit(unit)
             done = rt.new_event()
             done.record(self.stream)
         unit.fetched, unit.resident = done, True
@@ -381,33 +342,16 @@ class WeightFlow:
         rts = {id(self.buckets.runtime_of[p]): self.buckets.runtime_of[p] for p in unit.params}
         return sorted(rts.values(), key=lambda r: r.bucket.index)
 
-    def _gather_unit(self, unit: _Unit) -> None:
-        """On the flow stream: each of the unit's buckets gathered whole (a bucket shared with the
-        next unit is gathered for each), the unit's parameters copied out of it."""
-        rt = self.runtime
-        nbytes_of = {id(p): nbytes for p, nbytes in zip(unit.params, unit.nbytes)}  # (by id: never compare tensors)
-        for bucket_rt in self._buckets_of(unit):
-            flat = self.gather(bucket_rt)  # every rank's shard; a collective
-            for p, slot in zip(bucket_rt.params, bucket_rt.bucket.slots):
-                if id(p) not in nbytes_of:
-                    continue
-                rt.resize_storage(p, nbytes_of[id(p)])  # allocated on the flow stream
-                rt.copy_(p.data, flat[slot.offset:slot.offset + slot.numel].view(p.shape))
-                rt.record_stream(p.data, self.stream)
+    def _before_fetch(self, unit: _Unit) -> None:
+        """Nothing: a speculated bucket was re-opened (rolled back) by the waiter."""
 
-    def _refuse_speculated(self, unit: _Unit) -> None:
-        """Data parallel: a speculatively stepped shard cannot be re-opened (its gradient has left
-        the rank), and a forward between backward and step() must read the weights of before it."""
-        for bucket_rt in self._buckets_of(unit):
-            if bucket_rt.launched:
-                self.waiter.wait_idle(bucket_rt)
-                if bucket_rt.spec is not None:
-                    raise RuntimeError(
-                        f"A forward between backward and step() fetched unit {unit.spec.name}, whose bucket "
-                        f"{bucket_rt.bucket.index} this rank has already stepped speculatively: under data "
-                        "parallelism with `weights: flow` its weights before the step are no longer on the host. "
-                        "Run the forward after step() (or before backward), set `speculation: off`, or use "
-                        "`weights: stationary`.")
+    def _fetch_unit(self, unit: _Unit) -> None:
+        """On the flow stream: the unit's weights from their host copies."""
+        rt = self.runtime
+        for p, nbytes in zip(unit.params, unit.nbytes):
+            rt.resize_storage(p, nbytes)  # allocated on the flow stream
+            rt.copy_(p.data, self.source(p))  # (p.data: a version counter of its own)
+            rt.record_stream(p.data, self.stream)
 
     def source(self, p: torch.Tensor) -> torch.Tensor:
         from superoffload_hf.engine.buffers import BucketBuffers
@@ -441,9 +385,7 @@ class WeightFlow:
         as host tensors, which the caller should say. Returns "device" or "host"."""
         away = [u for u in self.units if not u.resident]
         fits = sum(sum(u.nbytes) for u in away) <= self.runtime.memory_info()[0]
-        if self.all_ranks_true is not None:
-            fits = self.all_ranks_true(fits)
-        if fits:
+        if self._all_agree(fits):
             compute = self.runtime.current_stream()
             for unit in away:
                 self.ensure(unit)
@@ -455,11 +397,14 @@ class WeightFlow:
             return "device"
         with torch.no_grad():
             for unit in away:
-                if self.gather is None:
-                    self._restore_to_host(unit)
-                else:  # only a gather has the whole weights: a unit at a time through the device
-                    self._restore_to_host_through_the_device(unit)
+                self._restore_away_to_host(unit)
         return "host"
+
+    def _all_agree(self, fits: bool) -> bool:
+        return fits
+
+    def _restore_away_to_host(self, unit: _Unit) -> None:
+        self._restore_to_host(unit)
 
     def restore_after_failure(self) -> bool:
         """close() after the host worker failed (stopped now): the units away from the device get
@@ -467,7 +412,7 @@ class WeightFlow:
         which may be what failed). Data parallel: nothing (the whole weights need a gather, a
         collective the other ranks may never join). Whether any unit was restored."""
         away = [u for u in self.units if not u.resident]
-        if self.gather is not None or not away:
+        if not away:
             return False
         with torch.no_grad():
             for unit in away:
@@ -479,24 +424,6 @@ class WeightFlow:
         for p in unit.params:
             p.data = self.source(p).clone()  # (the host copy is freed with the buckets)
         self.runtime.disown(unit.params)
-        unit.resident = True
-
-    def _restore_to_host_through_the_device(self, unit: _Unit) -> None:
-        rt = self.runtime
-        self.ensure(unit)  # gathered on the flow stream, which the current stream now waits for
-        hosts = []
-        for p in unit.params:
-            host = rt.host_empty(p.numel(), p.dtype)
-            rt.copy_(host, p.data.reshape(-1))
-            hosts.append(host.view(p.shape))
-        done = rt.new_event()
-        done.record(rt.current_stream())
-        done.synchronize()  # the host tensors are read as soon as this returns
-        self.release(unit)
-        _mark_resident(unit)
-        for p, host in zip(unit.params, hosts):
-            p.data = host
-        rt.disown(unit.params)
         unit.resident = True
 
     def note(self) -> str:
@@ -680,12 +607,11 @@ def _released_message(info: tuple, what: str) -> str:
     flow_ref, unit, param = info
     flow = flow_ref()
     name = flow.names.get(id(param), "") if flow is not None else ""
-    data_parallel = flow is not None and flow.gather is not None
     return (
         f"`{what}` needs the elements of {name + ' ' if name else ''}({_describe(param, unit)}), which are not on the "
         "device now: under `weights: flow` a unit's weights are on the device only during its forward and "
         "backward and live on the host between them. Read them with `model.state_dict()` (host copies of the "
-        "weights training uses" + (", a gather: call it on every rank together" if data_parallel else "")
+        "weights training uses" + (flow.read_hint if flow is not None else "")
         + "); write them with `model.load_state_dict(..., strict=False)` or `with torch.no_grad(): p.copy_(value)`, "
         "which land in the host copy; `weights: stationary` keeps every weight on the device.")
 

@@ -18,12 +18,12 @@
   `p` directly (an EMA in a custom loop) needs `optimizer.synchronize()` first, and a write goes
   `with torch.no_grad(): p.copy_(...)` (a write through `p.data` escapes the race check).
 
-The hooks hold the engine through a weak reference, so they never keep an optimizer alive.
+The forward hook holds a small `ForwardGate` (the observer, the collector's placeholders, the
+waiter) through a weak reference, the gradient hooks the collector: never the engine, and never
+keeping an optimizer alive.
 
-* Ownership: each managed parameter names the engine whose hooks it carries (`claim`), weakly
-  both ways, keyed by the tensor's identity. Two engines hooking one parameter would both take
-  its gradient (the second finds the first's placeholder); so an engine built on parameters a
-  live engine manages takes them over (`owners_of` finds that one; the engine closes it).
+Which engine's hooks a parameter carries (so that a newer one takes it over) is engine/build.py's
+`claim` / `owners_of`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
-
-from torch.utils.weak import WeakIdKeyDictionary
 
 from superoffload_hf.engine.reads import ModuleReads
 
@@ -86,28 +84,6 @@ def _restart_accumulation(func, held: HeldGrad, new_grad: torch.Tensor) -> Optio
     return fresh
 
 
-# parameter -> weakref to the engine whose hooks it carries (weak keys: a dropped model's
-# parameters leave; weak values: a dropped optimizer is no owner)
-_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def claim(params: Sequence[torch.Tensor], engine) -> None:
-    ref = weakref.ref(engine)
-    for p in params:
-        _OWNER[p] = ref
-
-
-def owners_of(params: Sequence[torch.Tensor]) -> list:
-    """The open engines that manage any of `params` now, in the order first found."""
-    owners: list = []
-    for p in params:
-        ref = _OWNER.get(p)
-        owner = None if ref is None else ref()
-        if owner is not None and not owner.closed and not any(o is owner for o in owners):
-            owners.append(owner)
-    return owners
-
-
 def _deliver(collector_ref: "weakref.ref", index: int) -> Callable:
     def on_accumulated(p: torch.Tensor) -> None:
         c = collector_ref()
@@ -130,21 +106,40 @@ def register_param_hooks(params: Sequence[torch.Tensor], collector, index_of: di
     return unhooked
 
 
-def register_forward_wait(engine, reads: ModuleReads, handles: list) -> None:
+class ForwardGate:
+    """What a module's forward (and a module's state-dict hooks) needs of the engine: open the
+    step's observation, release the placeholders of the last backward, wait for the buckets
+    it reads."""
+
+    def __init__(self, observer, collector, waiter):
+        self.observer, self.collector, self.waiter = observer, collector, waiter
+
+    @property
+    def inflight(self) -> set:
+        return self.waiter.inflight
+
+    def before_forward(self) -> None:
+        if not self.observer.open:
+            self.observer.open_step()
+        if self.collector.held_out:
+            self.collector.release_held()  # this forward's backward accumulates into fresh gradients
+
+
+def register_forward_wait(gate: ForwardGate, reads: ModuleReads, handles: list) -> None:
     """Before a module's forward: wait for the buckets its forward reads (`reads`, which also
     learns here which modules run eagerly). Before `state_dict()` (model.state_dict(),
     save_pretrained, accelerate's get_state_dict) and `load_state_dict()` of a module owning
     parameters: wait for the buckets of its parameters. Those two hooks are registered, at the
     first eager forward of a module, on every module under it (the modules of a compiled region
     never run their forward hooks)."""
-    engine_ref = weakref.ref(engine)
+    gate_ref = weakref.ref(gate)
     is_compiling = torch.compiler.is_compiling
     hooked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
     def wait_for_own(module: torch.nn.Module) -> None:
-        e = engine_ref()
-        if e is not None and e.inflight:
-            e.waiter.wait_for_params(module._parameters.values())
+        g = gate_ref()
+        if g is not None and g.inflight:
+            g.waiter.wait_for_params(module._parameters.values())
 
     def before_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
         wait_for_own(module)
@@ -163,18 +158,15 @@ def register_forward_wait(engine, reads: ModuleReads, handles: list) -> None:
     def before_forward(module: torch.nn.Module, args) -> None:
         if is_compiling():  # dynamo traces this hook: a compiled graph has no waits (reads.py)
             return None
-        e = engine_ref()
-        if e is None:
+        g = gate_ref()
+        if g is None:
             return None
-        if not e.observer.open:
-            e.on_forward()
-        if e.collector.held_out:
-            e.collector.release_held()  # this forward's backward accumulates into fresh gradients
+        g.before_forward()
         if module not in reads.eager:
             reads.eager.add(module)
             hook_state_dicts(module)
-        if e.inflight:
-            e.wait_for_module(module)
+        if g.inflight:
+            g.waiter.wait_for_module(module)
         return None
 
     handles.append(torch.nn.modules.module.register_module_forward_pre_hook(before_forward))

@@ -18,7 +18,7 @@ them bit-exactly (quantisation is not invertible), and the copy-back sends `mast
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,7 +29,7 @@ from superoffload_hf.perf.timeline import D2H, H2D, HOST_ADAM, Timeline
 
 
 class HostJobs:
-    def __init__(self, adam, transfer, adamw: bool, snapshot: bool, counters, timeline: Timeline = None,
+    def __init__(self, adam, transfer, adamw: bool, snapshot: bool, counters, copies, timeline: Timeline = None,
                  compact: bool = False):
         self.adam = adam
         self.transfer = transfer
@@ -38,11 +38,9 @@ class HostJobs:
         self.snapshot = snapshot or compact  # compact state: rollback restores the pre-step bytes
         self.counters = counters
         self.timeline = timeline if timeline is not None else Timeline.disabled()
-        # Data parallel (engine/dp.py): the copy-back is the shard's all-gather, issued only
-        # after validation (a speculative step or a mere rollback leaves the device weights as
-        # they were), so every rank issues the same all-gathers in the same order.
-        self.gather = None
-        self.flows = lambda p: False  # weight-flow (engine/flow.py): its parameters get no copy-back
+        # The copy-back: DeviceCopyBack (one process: after every step and rollback), or under data
+        # parallelism the shard's all-gather (engine/gather.py), issued only after validation.
+        self.copies = copies
 
     def _host(self, rt: BucketRuntime, what: str, start: float, **args) -> float:
         """Account host time since `start` (and show it on the timeline); returns now."""
@@ -99,7 +97,9 @@ class HostJobs:
             rt.bufs.take_snapshot(self._snapshot_copy)
         self._step(rt, call)
         self._host(rt, "speculative step" if speculative else "step", start, speculative=speculative)
-        if not (speculative and self.gather is not None):
+        if speculative:
+            self.copies.after_speculative_step(rt, call)
+        else:
             self.copy_back(rt, call)
 
     def rollback(self, rt: BucketRuntime, call: StepCall, redo: Optional[StepCall] = None) -> None:
@@ -115,8 +115,7 @@ class HostJobs:
             self._step(rt, redo)
         self._host(rt, "rollback + replay" if redo is not None else "rollback", start, rollback=True,
                    replay=redo is not None)
-        if redo is not None or self.gather is None:
-            self.copy_back(rt, redo or call)
+        self.copies.after_rollback(rt, call, redo)
 
     def _step(self, rt: BucketRuntime, call: StepCall) -> None:
         if rt.bufs.compact:
@@ -130,14 +129,25 @@ class HostJobs:
         return self.adam.bytes_copy_ if self.compact else self.adam.grad_copy_
 
     def copy_back(self, rt: BucketRuntime, call: StepCall) -> None:
-        if self.gather is not None:
-            if all(self.flows(p) for p in rt.params):
-                return  # weight-flow: every rank's next fetch gathers them (no all-gather here on any rank)
-            start = time.perf_counter()
-            rt.h2d_event = self.gather(rt)
-            self.timeline.span(H2D, f"all-gather b{rt.bucket.index}", start, time.perf_counter(),
-                               bucket=rt.bucket.index, clock="host (issue)")
-            return
+        self.copies.send(rt, call)
+
+
+class DeviceCopyBack:
+    """One process: a stepped bucket's weights from the host to its device parameters, after
+    every step and every rollback (a speculative step's go at once: the forward before step()
+    re-opens the bucket if it needs the weights of before)."""
+
+    def __init__(self, transfer, counters, timeline: Timeline, flows: Callable[[torch.Tensor], bool] = lambda p: False):
+        self.transfer, self.counters, self.timeline = transfer, counters, timeline
+        self.flows = flows  # weight-flow (engine/flow.py): its parameters get no copy-back
+
+    def after_speculative_step(self, rt: BucketRuntime, call: StepCall) -> None:
+        self.send(rt, call)
+
+    def after_rollback(self, rt: BucketRuntime, call: StepCall, redo: Optional[StepCall]) -> None:
+        self.send(rt, redo or call)
+
+    def send(self, rt: BucketRuntime, call: StepCall) -> None:
         if rt.params_alias_master:
             return  # the parameters are views of master: the step updated them in place
         ks = stepper.run_slots(call)

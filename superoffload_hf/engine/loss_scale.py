@@ -51,10 +51,3 @@ class DynamicLossScale:
             return  # a bf16/fp32 checkpoint: keep the configured initial scale
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
-
-
-def make_loss_scale(config):
-    if config.device_dtype != "fp16":
-        return FixedLossScale()
-    return DynamicLossScale(config.loss_scale_init, config.loss_scale_growth_factor,
-                            config.loss_scale_backoff_factor, config.loss_scale_growth_interval)

@@ -22,7 +22,7 @@ its parameter's count; a parameter without state (never stepped) has no piece.
 
 Compact state (engine/precision.py): a piece of a compact host bucket's parameter holds its
 bytes instead, the six compact kinds (`master_bf16` ... `exp_avg_sq_scale`, the scales one per
-group of 32 of the piece's elements). Compact shards start at group boundaries (plan/shard.py
+group of 32 of the piece's elements). Compact shards start at group boundaries (shard.py
 `align`), so every piece starts at a multiple of 32 of its parameter's elements and every piece
 but the parameter's last ends at one: the pieces' scales concatenate to the parameter's.
 `RangeSource.read_state` reads any range as either precision, converting (and, for a compact
@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from superoffload_hf.engine.checkpoint import CorruptStateError, tensor_crc32
+from superoffload_hf.engine.saved import tensor_crc32
+from superoffload_hf.errors import CorruptStateError
 from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
@@ -50,6 +51,12 @@ SHARD_FILE = "optimizer.shard-{rank:05d}-of-{world:05d}.pt"
 
 def is_shard_state(sd: Any) -> bool:
     return isinstance(sd, Mapping) and sd.get("format") == SHARD_FORMAT
+
+
+def is_sharded_input(state: Any) -> bool:
+    """A list of shard state dicts, or one."""
+    return is_shard_state(state) or (isinstance(state, (list, tuple)) and bool(state)
+                                     and all(is_shard_state(s) for s in state))
 
 
 def shard_state_dict(pieces: Iterable[tuple[int, int, int, tuple, int, Mapping[str, torch.Tensor]]], *,
@@ -169,9 +176,9 @@ class RangeSource:
 
     def read_state(self, index: int, start: int, end: int, precision: str, codec) -> tuple[dict, bool]:
         """Elements [start, end) of parameter `index` as `precision` state, in buffer kinds
-        (plan/memory.py: fp32 `master` (when saved) / `exp_avg` / `exp_avg_sq`, or the compact six),
+        (memory.py: fp32 `master` (when saved) / `exp_avg` / `exp_avg_sq`, or the compact six),
         and whether it was converted from the other precision (`codec`: a host Adam back end,
-        engine/precision.py). A compact target range starts at a group boundary (plan/shard.py)."""
+        engine/precision.py). A compact target range starts at a group boundary (shard.py)."""
         from superoffload_hf.engine.precision import convert
 
         saved = self.precision(index)
@@ -237,28 +244,35 @@ INDEX_KEY = "superoffload_sharded"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-def write_sharded(optimizer, directory: str) -> list[str]:
-    """See SuperOffloadAdamW.save_sharded."""
+def write_shards(coll, directory: str, state_dict: Callable[[], dict]) -> list[str]:
+    """Under data parallelism (see SuperOffloadAdamW.save_sharded): this rank's shard file (one
+    of each shard's replicas writes it), then rank 0's index once every shard is on disk. A
+    collective: every rank calls it. Returns the files written here."""
     os.makedirs(directory, exist_ok=True)
-    engine = optimizer._engine
-    index_path = os.path.join(directory, OPTIMIZER_FILE)
-    if engine.dp is None:
-        torch.save(optimizer.state_dict(), index_path)
-        return [index_path]
-    dp = engine.dp
+    t = coll.topology
+    world = t.shard_world
     written = []
-    if dp.coll.topology.rank in dp.coll.topology.shard_groups[0]:  # replicas hold the same shards
-        path = shard_path(directory, dp.rank, dp.world)
-        torch.save(optimizer.state_dict(), path)
+    if t.rank in t.shard_groups[0]:  # replicas hold the same shards
+        path = shard_path(directory, t.shard_rank, world)
+        torch.save(state_dict(), path)
         written.append(path)
-    dp.coll.barrier()  # every shard is on disk before the index says the set is complete
-    if dp.coll.topology.rank == 0:
-        names = [os.path.basename(shard_path(directory, r, dp.world)) for r in range(dp.world)]
-        torch.save({INDEX_KEY: {"world": dp.world, "files": names, "format_version": SHARD_FORMAT_VERSION}},
+    coll.barrier()  # every shard is on disk before the index says the set is complete
+    if t.rank == 0:
+        index_path = os.path.join(directory, OPTIMIZER_FILE)
+        names = [os.path.basename(shard_path(directory, r, world)) for r in range(world)]
+        torch.save({INDEX_KEY: {"world": world, "files": names, "format_version": SHARD_FORMAT_VERSION}},
                    index_path)
         written.append(index_path)
-    dp.coll.barrier()
+    coll.barrier()
     return written
+
+
+def write_whole(directory: str, state_dict: Callable[[], dict]) -> list[str]:
+    """One process: optimizer.pt is the whole state dict."""
+    os.makedirs(directory, exist_ok=True)
+    index_path = os.path.join(directory, OPTIMIZER_FILE)
+    torch.save(state_dict(), index_path)
+    return [index_path]
 
 
 def read_saved(directory: str) -> Any:

@@ -17,9 +17,9 @@ view (`with torch.no_grad(): p.copy_(x)`, `p.detach().mul_(...)`): refused, nami
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
+import functools
 import time
+from typing import Iterable
 
 import torch
 
@@ -36,11 +36,10 @@ WRITE_IN_FLIGHT = (
 
 
 class Waiter:
-    def __init__(self, buckets, worker, transfer, observer, reopen: Callable[[BucketRuntime], None],
-                 reads: ModuleReads):
+    def __init__(self, buckets, worker, transfer, observer, reads: ModuleReads, jobs, step_state):
         self.buckets, self.worker, self.transfer, self.observer = buckets, worker, transfer, observer
         self.reads = reads
-        self.reopen = reopen
+        self.jobs, self.step = jobs, step_state  # reopen(): the rollback job, the step's flags
         self.inflight: set[BucketRuntime] = set()
         self.versions: dict[BucketRuntime, list[int]] = {}  # armed by step(), checked at landing
 
@@ -96,6 +95,25 @@ class Waiter:
         self._check_no_write(rt)
         if rt.state is BucketState.RETURNING:
             rt.move(BucketState.IDLE)
+
+    def expect_landing(self, returning: Iterable[BucketRuntime]) -> None:
+        """End of a step() that returns early: the compute stream may read these buckets only
+        after their copy-backs land (in place of the last step's set)."""
+        self.inflight.clear()
+        self.inflight.update(returning)
+
+    def reopen(self, rt: BucketRuntime) -> None:
+        """A gradient arrived for a launched bucket, or a forward needs it before step(): undo
+        its speculative step, recount its norm."""
+        self.wait_idle(rt)
+        if rt.spec is not None:
+            spec, rt.spec = rt.spec, None
+            self.worker.submit(functools.partial(self.jobs.rollback, rt, spec), rt.pending)
+            self.step.speculative = self.step.rolled_back = rt.redo = True
+            self.inflight.add(rt)  # the restored weights travel back to the device
+        rt.move(BucketState.COLLECTING)
+        rt.sumsq, rt.no_spec = None, True
+        rt.norm_ready.clear()
 
     def synchronize(self) -> None:
         """Wait for every queued host job; later device work sees their copy-backs."""
