@@ -11,7 +11,7 @@
 #   env                  torch, CUDA, the device; the GraceAdam kernel built (a cold build: fails
 #                        loudly, and every later stage runs with `host_kernel: cpp`, never the
 #                        reference Adam) and named
-#   gpu_tests            tests/test_gpu.py (pytest -m gpu; run directly when pytest is absent)
+#   gpu_tests            tests/engine/test_gpu.py (pytest -m gpu; run directly when pytest is absent)
 #   train_llama          a ~1B Llama built from LlamaConfig (hidden 2048, 16 layers, intermediate
 #                        5504, vocab 32000), bf16, seq 2048 x batch 1, speculation on/off at
 #                        max_grad_norm 1.0 and 1e3: tokens/s, MFU (against the H200's 989 TFLOPS
@@ -45,7 +45,7 @@
 #   --rehearse: the same stages with the CPU as the device, on the simulated asynchronous
 #   device (SUPEROFFLOAD_SIM_DEVICE=1), tiny sizes, each stage's python3 forked from one that
 #   imported torch once (benchmarks/_pyfork.py), in about a minute on 2 cores (the test-suite
-#   runs it: tests/test_gpu_check.py); it checks the plan too, but caps no stage below what is
+#   runs it: tests/cli/test_gpu_check.py); it checks the plan too, but caps no stage below what is
 #   left of its own budget (GPU_CHECK_BUDGET_S, default 240 there): a loaded CPU is no GPU.
 # Exits non-zero when any stage fails, misses a target or runs out of time, listing each; later
 # stages still run. GPU_CHECK_FAIL_STAGE=NAME replaces that stage's command by `false`, NAME:N by a
@@ -114,7 +114,7 @@ fi
 
 if [ "$REHEARSE" = 1 ]; then
   # the test logic on the simulated device, a few of its tests (the whole file is minutes on a CPU)
-  TESTS=(tests/test_gpu.py -k synchronizes)
+  TESTS=(tests/engine/test_gpu.py -k synchronizes)
   LLAMA=(--tiny --steps 2 --warmup 1)
   FEATURE=(--rehearse)
   SANITIZED_FEATURES=(activation_offload)  # (the rehearsal has no sanitizer: one feature checks the command;
@@ -122,7 +122,7 @@ if [ "$REHEARSE" = 1 ]; then
   ADAM=(--sizes 1M --reps 2 --warmup 1 --threads 2 --no-targets --only grad)  # grad: no roofline build
   PROBE=(--device cpu --quick)
 else
-  TESTS=(tests/test_gpu.py)
+  TESTS=(tests/engine/test_gpu.py)
   LLAMA=(--hidden 2048 --intermediate 5504 --layers 16 --heads 16 --kv-heads 16 --vocab 32000
          --seq 2048 --batch 1 --steps 3 --warmup 1 --dtype bf16
          --host-memory-budget "$HOST_BUDGET")
@@ -130,7 +130,7 @@ else
   FEATURE=()
   SANITIZED_FEATURES=(flow activation_offload)
   # the engine's side streams, pinned copies, worker copy-backs, rollback and the steady step
-  SANITIZED_TESTS=(tests/test_gpu.py -k "side_streams or next_forward or snapshot_rollback or synchronizes")
+  SANITIZED_TESTS=(tests/engine/test_gpu.py -k "side_streams or next_forward or snapshot_rollback or synchronizes")
   PROBE=()
 fi
 
@@ -148,9 +148,9 @@ if { selected gpu_tests || selected sanitizer; } && $PY -c "import pytest" 2>/de
   stage gpu_tests "${CAP[gpu_tests]}" "${PYTEST[@]}" --junitxml="$WORK_DIR/gpu_tests.xml" "${TESTS[@]}"
 else
   PYTEST=($PY)
-  TESTS=(tests/test_gpu.py)
-  if [ "$REHEARSE" = 0 ]; then SANITIZED_TESTS=(tests/test_gpu.py); fi  # its small runner takes no -k
-  stage gpu_tests "${CAP[gpu_tests]}" $PY tests/test_gpu.py
+  TESTS=(tests/engine/test_gpu.py)
+  if [ "$REHEARSE" = 0 ]; then SANITIZED_TESTS=(tests/engine/test_gpu.py); fi  # its small runner takes no -k
+  stage gpu_tests "${CAP[gpu_tests]}" $PY tests/engine/test_gpu.py
 fi
 if [ -f "$WORK_DIR/gpu_tests.log" ]; then
   grep -E "passed|failed|error" "$WORK_DIR/gpu_tests.log" | tail -n 1 | sed 's/^/  /' >> "$summary_md"
@@ -180,14 +180,14 @@ if selected sanitizer; then
     if [ -n "${TOOK[$name]:-}" ]; then plain+="${plain:+, }$name ${TOOK[$name]}s"; fi
   done
   cat >> "$summary_md" <<EOF
-  - the sanitizer ran on: $([ "$REHEARSE" = 0 ] && echo "${SANITIZED_TESTS[*]} and ")the features ${SANITIZED_FEATURES[*]} without their CPU references$([ "$REHEARSE" = 1 ] && echo " (rehearsal: without it, it needs CUDA; on CUDA also four tests of tests/test_gpu.py)").
+  - the sanitizer ran on: $([ "$REHEARSE" = 0 ] && echo "${SANITIZED_TESTS[*]} and ")the features ${SANITIZED_FEATURES[*]} without their CPU references$([ "$REHEARSE" = 1 ] && echo " (rehearsal: without it, it needs CUDA; on CUDA also four tests of tests/engine/test_gpu.py)").
     It took ${TOOK[sanitizer]:-?}s of its ${LIMIT_S[sanitizer]:-?}s limit (cap ${CAP[sanitizer]}s; the plain stages, which run every GPU test and each feature with its CPU
     reference: ${plain:-not run}).
     It checks the CUDA ops dispatched through torch on the training thread, on autograd's device
     thread (torch hands it the caller's modes) and on the engine's worker thread (which enters
     its dispatch mode, device/accelerator.py), and every event record, wait and synchronisation,
     stream creation, allocation and free of any thread: every entry into its handler holds one lock,
-    so the threads feed it one consistent state (tests/test_sanitizer_threads.py). It does not see:
+    so the threads feed it one consistent state (tests/engine/test_sanitizer_threads.py). It does not see:
     two threads acting on one stream or buffer with no host hand-off between them (a kernel is
     queued before the handler records it, so such work may be recorded in either order; the engine
     hands every buffer between threads through the host: its job queue and waited events); host

@@ -7,16 +7,16 @@
   flow                weight-flow on a model made not to fit: the run sets a device budget of a
                       quarter of the weights (CUDA: torch.cuda.set_per_process_memory_fraction;
                       the simulated device: its device budget) that stationary weights exceed;
-                      reference: stationary weights on the CPU device (tests/test_weight_flow.py)
+                      reference: stationary weights on the CPU device (tests/engine/test_weight_flow.py)
   activation_offload  gradient checkpointing with each block's input offloaded to pinned host
                       memory, at a long sequence; reference: no offload on the CPU device
-                      (tests/test_gpu_activation_offload.py)
+                      (tests/parallel/test_gpu_activation_offload.py)
   tiling              the tiled loss and tiled MLP at a long sequence, small chunks; reference:
-                      untiled on the CPU device (tests/test_tiling.py)
+                      untiled on the CPU device (tests/parallel/test_tiling.py)
   compact             compact host state (bf16 device weights); reference: the same on the CPU
-                      device (tests/test_weight_flow.py's compact case)
+                      device (tests/engine/test_weight_flow.py's compact case)
   trainer             the HF Trainer with superoffload, bf16 and gradient checkpointing;
-                      reference: the same Trainer run on the CPU device (tests/test_trainer.py)
+                      reference: the same Trainer run on the CPU device (tests/integrations/test_trainer.py)
 
 Each runs a few optimizer steps with `host_kernel: cpp` (GraceAdam, never the reference Adam) and
 reports the steps that ran, the largest difference from its reference (parameters element by
@@ -223,7 +223,7 @@ def flow(shape: Shape, device: str, rehearse: bool) -> tuple[Run, Run]:
 
     want = reference(stationary_on_cpu)
     weight_bytes = sum(p.numel() * 4 for p in build_model(shape, "meta").parameters())
-    # a quarter of the weights (as tests/test_weight_flow.py); on CUDA, whose allocator cap counts
+    # a quarter of the weights (as tests/engine/test_weight_flow.py); on CUDA, whose allocator cap counts
     # the activations and logits too, half of them plus 256 MiB: still less than the weights
     budget = weight_bytes // 4 if rehearse else weight_bytes // 2 + (256 << 20)
     if budget >= weight_bytes:

@@ -2,7 +2,7 @@
 
 Tiny Llama from LlamaConfig, a tiny in-code dataset, stock transformers.Trainer and
 TrainingArguments parsed from the command line. `superoffload launch` must make it train with
-superoffload (tests/test_launcher.py); `python stock_trainer.py --output_dir out` trains
+superoffload (tests/integrations/test_launcher.py); `python stock_trainer.py --output_dir out` trains
 it with the stock optimizer.
 """
 

@@ -1,5 +1,5 @@
-"""What tests/test_gpu.py checks about pinning, streams and copies, written against the runtime
-seam so that the same logic also runs here, on the simulated device (tests/test_gpu_checks.py).
+"""What tests/engine/test_gpu.py checks about pinning, streams and copies, written against the runtime
+seam so that the same logic also runs here, on the simulated device (tests/engine/test_gpu_checks.py).
 
 Each check takes the predicates that differ between the two: on CUDA a tensor is host memory
 when `t.device.type == "cpu"` and page-locked when `t.is_pinned()`; on the simulated device every

@@ -85,7 +85,7 @@ class DeviceStream(Protocol):
 @runtime_checkable
 class DeviceRuntime(Protocol):
     """The seam's members the engine uses (the module docstring says what each does). CpuRuntime,
-    AcceleratorRuntime and testing.sim.SimRuntime implement it; tests/test_device_seam.py checks
+    AcceleratorRuntime and testing.sim.SimRuntime implement it; tests/sim/test_device_seam.py checks
     their members and signatures against it."""
 
     name: str

@@ -24,7 +24,7 @@ pre-hook runs before the checkpoint saves (it says what to expect); earlier vers
 `__call__`, so it runs after (it claims what was saved); both are handled. A block offloads only
 while it checkpoints (`gradient_checkpointing` set on it, training, grad enabled).
 
-Synchronisations (SYNCS; the mutation tests, tests/test_activation_offload.py, remove each):
+Synchronisations (SYNCS; the mutation tests, tests/parallel/test_activation_offload.py, remove each):
 * `offload_waits_compute`: the d2h copy starts after the kernels that wrote the input.
 * `release_waits_offload`: the compute stream waits for the d2h copy before the input's device
   copy is dropped: the memory returns to the compute stream's pool, whose next kernels may reuse

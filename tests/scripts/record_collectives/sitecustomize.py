@@ -1,5 +1,5 @@
 """Imported at the start of every Python process whose PYTHONPATH holds this folder (the launches
-of tests/test_dp_trainer.py): in a rank (RANK set by torchrun) with SUPEROFFLOAD_RECORD_COLLECTIVES
+of tests/dp/test_dp_trainer.py): in a rank (RANK set by torchrun) with SUPEROFFLOAD_RECORD_COLLECTIVES
 naming a folder, records the collectives the process issues (superoffload_hf.testing.collective_order)
 and writes them there at exit, as rank<RANK>.pkl, for the test to compare across ranks."""
 
