@@ -140,7 +140,7 @@ def probe_command(argv: Sequence[str]) -> int:
 
 def export_optimizer_command(argv: Sequence[str]) -> int:
     """`superoffload export-optimizer CHECKPOINT_DIR OUT.pt`: 0 on success, 2 on bad input."""
-    from superoffload_hf.engine.shard_checkpoint import export_consolidated
+    from superoffload_hf.engine.dp.checkpoint import export_consolidated
 
     usage = ("usage: superoffload export-optimizer CHECKPOINT_DIR OUT.pt\n\nwrite one file with every parameter's "
              "fp32 master and moments (the single-process state dict) from the per-rank shard files of a "

@@ -34,7 +34,7 @@ class OffloadCounters:
     """Wall time of the last step, from the previous `step()` call to this one."""
     predicted_step_seconds: float = 0.0
     """The cost model's prediction of a step's time for the layout in use (set after the first
-    step; engine/autoplan.py), to read beside `step_seconds`."""
+    step; engine/learn.py), to read beside `step_seconds`."""
     bytes_d2h: int = 0
     """Gradient bytes moved from the device to the host."""
     bytes_h2d: int = 0

@@ -124,7 +124,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Any saved layout: a single-process state dict, or every rank's shard state dicts (a
-        list, e.g. `superoffload_hf.engine.shard_checkpoint.read_shards(dir)`) saved by any number
+        list, e.g. `superoffload_hf.engine.dp.checkpoint.read_shards(dir)`) saved by any number
         of ranks; under data parallelism each rank reads only its own ranges. The hooks registered
         with `register_load_state_dict_pre_hook` / `_post_hook` run as in torch.optim (the pre-hooks
         get a shallow copy of `state_dict`)."""
@@ -143,7 +143,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
     @property
     def is_sharded(self) -> bool:
         """Whether this optimizer shards its state over ranks (torch.distributed, world > 1):
-        `state_dict()` is then this rank's shard (engine/shard_checkpoint.py)."""
+        `state_dict()` is then this rank's shard (engine/dp/checkpoint.py)."""
         return not self._engine.route.alone
 
     def before_collective(self) -> None:
@@ -151,7 +151,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
         the next backward (sequence parallelism's all-to-alls in the forward: SequenceParallel
         does): returns once the host worker has issued every weight all-gather step() queued, so
         that every rank issues the two threads' collectives in one order (NCCL requires it
-        across communicators; engine/dp.py). step() now returns only after that (the Trainer's
+        across communicators; engine/dp/route.py). step() now returns only after that (the Trainer's
         own collectives after it need nothing), so after step() this returns at once; kept for
         callers that call it before their collectives on another group (SequenceParallel does).
         Nothing to do in one process."""
@@ -168,7 +168,7 @@ class _SuperOffloadOptimizer(torch.optim.Optimizer):
     def read_state(directory: str) -> Any:
         """What `save_sharded` (or a single-process save) left in `directory`, for
         `load_state_dict` on any number of ranks (memory-mapped: each rank reads its ranges)."""
-        from superoffload_hf.engine.shard_checkpoint import read_saved
+        from superoffload_hf.engine.dp.checkpoint import read_saved
 
         return read_saved(directory)
 

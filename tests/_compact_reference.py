@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from superoffload_hf.engine.validate import decide
+from superoffload_hf.engine.step.validate import decide
 from superoffload_hf.host import compact, reference
 
 COMPACT_KEYS = ("master_bf16", "master_err", "exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")

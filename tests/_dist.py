@@ -29,8 +29,8 @@ DEFAULT_DEADLINE_S = 90.0
 # at import, starts a thread or loads the C++ kernel (each rank loads it: its thread pool is the
 # rank's own). (Python 3.11's fork server does not take the caller's sys.path: the tests' own
 # modules, tests/_*.py, are not importable there; each rank imports them.)
-PRELOAD = ["torch", "torch.distributed", "superoffload_hf.optimizer", "superoffload_hf.engine.dp",
-           "superoffload_hf.engine.shard_checkpoint", "superoffload_hf.parallel",
+PRELOAD = ["torch", "torch.distributed", "superoffload_hf.optimizer", "superoffload_hf.engine.dp.route",
+           "superoffload_hf.engine.dp.checkpoint", "superoffload_hf.parallel",
            "superoffload_hf.device.collectives", "superoffload_hf.testing.collective_order",
            "transformers.models.llama.modeling_llama"]
 

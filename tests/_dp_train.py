@@ -133,7 +133,7 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
     optimizer; `load_dir`: start from there (the reference continues the saved stock run).
     `tied`: the head's weight is the embedding's (one parameter), in the model and the reference."""
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine import shard_checkpoint
+    from superoffload_hf.engine.dp import checkpoint as shard_checkpoint
 
     model = tiny_llama(seed=rank, tied=tied)  # rank 0's weights must win (the optimizer broadcasts them)
     ref = tiny_llama(seed=0, tied=tied)
@@ -194,7 +194,7 @@ def train(rank: int, world: int, speculation: str = "on", clip: str = "mild", st
             digests.append(params_digest(model))
             skipped.append(ref_skipped)
         if check_state and world > 1:
-            from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate
+            from superoffload_hf.engine.dp.checkpoint import RangeSource, consolidate
             import torch.distributed as dist
 
             shards = [None] * world
@@ -276,7 +276,7 @@ def launch_order_learned(rank: int, world: int, steps: int = 3) -> dict:
     import random
 
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine import dp as dp_module
+    from superoffload_hf.engine.dp import route as dp_module
 
     model = tiny_llama(seed=0)
     params = list(model.parameters())
@@ -315,7 +315,7 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
     import torch.distributed as dist
 
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine import dp as dp_module
+    from superoffload_hf.engine.dp import route as dp_module
 
     log: list[tuple] = []
     holder: dict = {}
@@ -331,7 +331,7 @@ def collective_order(rank: int, world: int, steps: int = 4, slow_gather_rank: in
             return originals[name](*args, **kwargs)
         return call
 
-    from superoffload_hf.engine.gather import ShardGather
+    from superoffload_hf.engine.dp.gather import ShardGather
 
     gather_back = ShardGather.gather_back
 
@@ -387,7 +387,7 @@ def default_group_collective_each_step(rank: int, world: int, steps: int = 2, la
     import torch.distributed as dist
 
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine import dp as dp_module
+    from superoffload_hf.engine.dp import route as dp_module
 
     gather_back = dp_module.DataParallel.gather_back
     late = {"next": False}  # the first copy-back of each step only (the step's first all-gather)
@@ -427,7 +427,7 @@ def default_group_collective_each_step(rank: int, world: int, steps: int = 2, la
 def compact_state(opt, world: int) -> dict:
     """Every parameter's saved state (the consolidated shard files under data parallelism, the
     state dict in one process): {index: {key: CPU tensor}}, copies."""
-    from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate
+    from superoffload_hf.engine.dp.checkpoint import RangeSource, consolidate
 
     sd = opt.state_dict()
     if world > 1:
@@ -462,7 +462,7 @@ def train_compact(rank: int, world: int, steps: int = 6, start_step: int = 0, st
 def _train_compact(rank, world, steps, start_step, state_precision, speculation, max_grad_norm, poison, save_dir,
                    load_dir, global_world, weights) -> dict:
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine import shard_checkpoint
+    from superoffload_hf.engine.dp import checkpoint as shard_checkpoint
 
     model = tiny_llama(seed=0)
     if load_dir is not None:

@@ -59,7 +59,7 @@ def train(rank: int, world: int, sp_size: int, attn: str = "sdpa", steps: int = 
     the optimizer's shards (every rank), the weights and the reference (rank 0); `load_dir`:
     start from there, at `start_step` (checkpoints made under another DP x SP)."""
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine import shard_checkpoint
+    from superoffload_hf.engine.dp import checkpoint as shard_checkpoint
     from superoffload_hf.parallel import SequenceParallel, sequence_parallel_groups
 
     groups = sequence_parallel_groups(sp_size)

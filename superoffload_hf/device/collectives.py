@@ -25,7 +25,7 @@ Ordering. Collectives on one process group pair up by their order on each rank: 
 them in different orders deadlock, fail on a size mismatch, or silently exchange the wrong
 tensors of equal size. So the training thread and the host worker thread use separate process
 groups (`dist.new_group`), and each group's collectives are issued in one order on every rank
-(the engine's contract, engine/dp.py): the training thread's reduce-scatters in the plan's bucket
+(the engine's contract, engine/dp/route.py): the training thread's reduce-scatters in the plan's bucket
 order, whichever order this rank's gradients completed in (zeros for the gradients it lacks),
 then presence, the late buckets, the device buckets and the norm; the worker's all-gathers in
 job order (the same validated copy-backs, in bucket order, everywhere). On gloo a collective
@@ -35,7 +35,7 @@ wait for (its remaining reduce-scatters) before a collective on another group.
 Across the two threads (NCCL requires the collectives of different communicators to be issued in
 one order on every rank, or kernels of two communicators can wait for each other on a GPU): every
 collective is issued holding `issue_lock`, and a training-thread collective first runs
-`queued_gathers` (engine/dp.py: the first one of a step waits until the worker has issued every
+`queued_gathers` (engine/dp/route.py: the first one of a step waits until the worker has issued every
 all-gather the last step queued). So the order on every rank is: step t's reduce-scatters, control
 and norm collectives (training thread), then its all-gathers (worker, job order), then step t+1's;
 never an interleaving that depends on thread timing. Collectives this module does not issue (the
@@ -174,7 +174,7 @@ class Collectives:
         self.backend = backend  # of the data groups (the control group is gloo)
         self.has_reduce_scatter = True  # False after gloo refused one (see reduce_scatter_mean)
         self.issue_lock = threading.Lock()  # held while a collective is issued (module docstring)
-        # what a training-thread collective runs first (engine/dp.py arms it: queued all-gathers)
+        # what a training-thread collective runs first (engine/dp/route.py arms it: queued all-gathers)
         self.queued_gathers = QueuedGathers()
         self.released = False
         _LIVE.add(self)

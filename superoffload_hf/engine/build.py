@@ -27,34 +27,34 @@ from superoffload_hf.config import SuperOffloadConfig, check_sequence_parallel_s
 from superoffload_hf.device import make_runtime
 from superoffload_hf.device.collectives import Collectives
 from superoffload_hf.device.transfer import Transfer
-from superoffload_hf.engine.buckets import BucketSet
-from superoffload_hf.engine.collect import Collector
-from superoffload_hf.engine.commit import Committer
+from superoffload_hf.engine.state.buckets import BucketSet
+from superoffload_hf.engine.step.collect import Collector
+from superoffload_hf.engine.step.commit import Committer
 from superoffload_hf.engine.core import Engine
-from superoffload_hf.engine.dp import DataParallel, broadcast_params, check_not_ddp, sharding
+from superoffload_hf.engine.dp.route import DataParallel, broadcast_params, check_not_ddp, sharding
 from superoffload_hf.engine.flow import WeightFlow, flowing
 from superoffload_hf.plan.flow import find_units
-from superoffload_hf.engine.flow_sharded import ShardedWeightFlow
-from superoffload_hf.engine.gather import ShardGather
-from superoffload_hf.engine.hooks import ForwardGate, register_forward_wait, register_param_hooks
+from superoffload_hf.engine.dp.flow import ShardedWeightFlow
+from superoffload_hf.engine.dp.gather import ShardGather
+from superoffload_hf.engine.step.hooks import ForwardGate, register_forward_wait, register_param_hooks
 from superoffload_hf.engine.host_limit import check_plan_fits
-from superoffload_hf.engine.jobs import DeviceCopyBack, HostJobs
+from superoffload_hf.engine.step.jobs import DeviceCopyBack, HostJobs
 from superoffload_hf.engine.measure import FireLog, machine_facts
-from superoffload_hf.engine.precision import cast_params_in_place
+from superoffload_hf.engine.state.precision import cast_params_in_place
 from superoffload_hf.plan.layout import common_device, decide_layout
 from superoffload_hf.engine.live import LiveInputs
-from superoffload_hf.engine.loss_scale import DynamicLossScale, FixedLossScale
+from superoffload_hf.engine.step.loss_scale import DynamicLossScale, FixedLossScale
 from superoffload_hf.plan.memory import footprint
 from superoffload_hf.engine.observe import StepObserver
 from superoffload_hf.engine.placement import bind_current_thread, bound_to, host_placement, pci_numa_node
 from superoffload_hf.engine.reads import ModuleReads
-from superoffload_hf.engine.route import LocalRoute
+from superoffload_hf.engine.step.route import LocalRoute
 from superoffload_hf.engine.host_limit import engine_trade
-from superoffload_hf.engine.speculate import Speculation
-from superoffload_hf.engine.step_state import StepState
-from superoffload_hf.engine.validate import SpeculationPolicy
-from superoffload_hf.engine.waits import Waiter
-from superoffload_hf.engine.worker import HostWorker, InlineWorker, Pending
+from superoffload_hf.engine.step.speculate import Speculation
+from superoffload_hf.engine.step.step_state import StepState
+from superoffload_hf.engine.step.validate import SpeculationPolicy
+from superoffload_hf.engine.step.waits import Waiter
+from superoffload_hf.engine.step.worker import HostWorker, InlineWorker, Pending
 from superoffload_hf.host.kernel import default_threads, get_host_adam
 from superoffload_hf.metrics import OffloadCounters
 

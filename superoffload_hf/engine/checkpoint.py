@@ -27,7 +27,7 @@ is stored as its bytes, {"step", "master_bf16", "master_err", "exp_avg_q", "exp_
 "exp_avg_sq_q", "exp_avg_sq_scale"} (flat; the scales one per group of 32 of the parameter's
 elements: every parameter starts a group, so the entry is the same bytes under any plan), about
 5-6 bytes per parameter in the file; a device-resident bucket's parameters keep fp32 entries.
-Loading converts an entry of the other precision (fp32 <-> compact, either way, engine/precision.py)
+Loading converts an entry of the other precision (fp32 <-> compact, either way, engine/state/precision.py)
 with one notice in the log; within one precision the bytes are copied as they are, so a resumed
 run continues bit-identically.
 
@@ -52,9 +52,9 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from superoffload_hf.engine.precision import convert, precision_of
-from superoffload_hf.engine.saved import COMPACT_KEYS, FORMAT_VERSION, MASTER_KINDS, MOMENT_KEYS, tensor_crc32
-from superoffload_hf.engine.shard_checkpoint import RangeSource, consolidate, is_sharded_input
+from superoffload_hf.engine.state.precision import convert, precision_of
+from superoffload_hf.engine.state.saved import COMPACT_KEYS, FORMAT_VERSION, MASTER_KINDS, MOMENT_KEYS, tensor_crc32
+from superoffload_hf.engine.dp.checkpoint import RangeSource, consolidate, is_sharded_input
 from superoffload_hf.host.compact import scale_numel
 
 from superoffload_hf.errors import CorruptStateError  # noqa: F401 (raised here, caught by the CLI)

@@ -27,16 +27,16 @@ from typing import Optional
 import torch
 
 from superoffload_hf.engine import checkpoint
-from superoffload_hf.engine.autoplan import measured_machine, measured_workload
+from superoffload_hf.engine.learn import measured_machine, measured_workload
 from superoffload_hf.plan.flow import choose_depth
-from superoffload_hf.engine.hooks import remove_handles
+from superoffload_hf.engine.step.hooks import remove_handles
 from superoffload_hf.engine.host_limit import check_plan_fits, host_bytes
 from superoffload_hf.engine.measure import FireLog
-from superoffload_hf.engine.lifecycle import BucketState
+from superoffload_hf.engine.state.lifecycle import BucketState
 from superoffload_hf.plan.memory import footprint
-from superoffload_hf.engine.saved import FORMAT_VERSION
+from superoffload_hf.engine.state.saved import FORMAT_VERSION
 from superoffload_hf.engine.host_limit import engine_trade
-from superoffload_hf.engine.validate import Decision, decide
+from superoffload_hf.engine.step.validate import Decision, decide
 from superoffload_hf.plan.cost_model import BUCKET_SIZES_MB, choose_plan, predict
 
 logger = logging.getLogger("superoffload_hf")
@@ -144,7 +144,7 @@ class Engine:
             self.waiter.wait_for_params(self.reads.orphans)  # no forward hook waits for these
         else:
             self.synchronize()
-        self.route.wait_for_queued_gathers()  # before the caller's own collectives (engine/dp.py)
+        self.route.wait_for_queued_gathers()  # before the caller's own collectives (engine/dp/route.py)
         return decision
 
     # ---- layout ---------------------------------------------------------------------------

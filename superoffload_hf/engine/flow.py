@@ -89,7 +89,7 @@ class WeightFlow:
     their fetch events), the runtime, the transfer (whose `omitted` the mutation tests set), the
     waiter (the buckets' host jobs), counters and timeline. One process: the host copy that
     flows is the bucket's own; under data parallelism it is the ranks' shards, gathered
-    (engine/flow_sharded.py ShardedWeightFlow, which build picks)."""
+    (engine/dp/flow.py ShardedWeightFlow, which build picks)."""
 
     read_hint = ""  # how model.state_dict() reads flowing weights, in messages (sharded: a collective)
 
@@ -306,7 +306,7 @@ class WeightFlow:
     def fetch(self, unit: _Unit) -> None:
         """Issue the host->device copies of a unit on the flow stream (not waited for here).
         Data parallel: each of its buckets all-gathered from the ranks' shards (a collective:
-        every rank fetches the same units in the same order, see engine/dp.py)."""
+        every rank fetches the same units in the same order, see engine/dp/route.py)."""
         rt = self.runtime
         # The buckets' host jobs have finished writing these weights (a speculatively stepped
         # bucket is rolled back first: a forward before step() reads the weights of before it).
@@ -354,7 +354,7 @@ class WeightFlow:
             rt.record_stream(p.data, self.stream)
 
     def source(self, p: torch.Tensor) -> torch.Tensor:
-        from superoffload_hf.engine.buffers import BucketBuffers
+        from superoffload_hf.engine.state.buffers import BucketBuffers
 
         rt, slot = self.buckets.slot_of(self.buckets.index_of[p])
         return BucketBuffers.view(rt.bufs.copy_back_source, slot).view(p.shape)

@@ -1,7 +1,7 @@
 """What the engine measures for its layout decisions (plan/layout.py decides from them, purely):
 `machine_facts` (the link and the device's memory, once, before anything is allocated) and
 `FireLog` (what the gradient hooks did during the first step, on the device's clock where it has
-one), which `Layout.learned` and engine/autoplan.py read."""
+one), which `Layout.learned` and engine/learn.py read."""
 
 from __future__ import annotations
 

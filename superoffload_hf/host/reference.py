@@ -56,7 +56,7 @@ them at all). Moments that were not zero but far below the step's term (``beta2*
 of ``(1-beta2)*g*g``) come back within the bound above, which is then a large part of them, and
 the next step's ``m/sqrt(v)`` carries it: a rollback without a replay (a skip) is exact only
 where nothing was that small. The engine therefore speculates no bucket after one whose gradient
-is not finite, on any data-parallel rank (engine/dp.py ``spread_nonfinite``).
+is not finite, on any data-parallel rank (engine/dp/route.py ``spread_nonfinite``).
 
 The magnitudes are those the update combines, not the result, which cancellation can make
 arbitrarily small. A consequence worth knowing: after a rollback and a *clipped* replay with

@@ -27,7 +27,7 @@ from superoffload_hf.integrations.accelerate import (
     wrap_optimizer,
 )
 from superoffload_hf.integrations.callback import SuperOffloadCallback, shorten_printed_logs, unwrap_optimizer
-from superoffload_hf.engine.shard_checkpoint import shard_files
+from superoffload_hf.engine.dp.checkpoint import shard_files
 from superoffload_hf.integrations import launch_env
 from superoffload_hf.integrations.trainer_sequence_parallel import TrainerSequenceParallel
 from superoffload_hf.integrations.resume import (

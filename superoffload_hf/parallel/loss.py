@@ -7,7 +7,7 @@ Each rank holds 1/N of the tokens. The group's loss is
 (the count all-reduced over the SP group), the same number on every rank of the group.
 
 Its gradient: SuperOffloadAdamW averages gradients over every rank of the world (DP x SP: it
-shards the host state over the whole world, engine/dp.py), so the gradient of an SP group is
+shards the host state over the whole world, engine/dp/route.py), so the gradient of an SP group is
 the sum of its N ranks' gradients only if each rank's is N times its share. The differentiable
 part is therefore N * (local CE sum) / count; the value is corrected to L without a gradient
 (no collective in the backward). The world mean then equals the mean over DP replicas of each

@@ -1,7 +1,7 @@
 """Measure this machine (and, given a recipe, its model) and derive the plan the cost model
 (superoffload_hf.plan.cost_model) chooses from the numbers: `probe(...) -> ProbeReport`. The
 `superoffload probe` command that prints it is superoffload_hf/cli.py's `probe_command`; the
-engine measures page-locking with `measure_pinning` (engine/pin_method.py).
+engine measures page-locking with `measure_pinning` (engine/state/pin_method.py).
 
 Measured, each through the device seam (superoffload_hf.device.make_runtime) and the host Adam
 back end the engine uses (superoffload_hf.host.kernel.get_host_adam):

@@ -19,13 +19,13 @@ with an infinitely fast link) and transfer time (the rest). Step time = forward 
 device Adam + exposed. When the device is the host itself (the CPU as the device), nothing
 overlaps: host work competes with backward for the same cores, so every host second is exposed.
 
-Bytes per element (fp32 master, Adam moments m and v; the engine's buffers, engine/buffers.py):
+Bytes per element (fp32 master, Adam moments m and v; the engine's buffers, engine/state/buffers.py):
 
     cast "device": the gradient crosses in fp32 straight into the fp32 staging buffer; the
                    kernel reads p, g, m, v and writes p, m, v (28 B) after the norm reads g
                    (4 B); fp32 weights cross back (4 B) and the device casts them.
     cast "host":   the gradient crosses in the low-precision dtype into a landing buffer (2);
-                   with one micro-batch the kernel reads it there as it is (engine/jobs.py: no
+                   with one micro-batch the kernel reads it there as it is (engine/step/jobs.py: no
                    upcast): the norm reads it (2), the Adam pass reads a 2-byte gradient (26 B)
                    and writes the low-precision copy (2); that copy crosses back (2 B).
     Copies land in (and leave from) host memory too: their bytes count against host bandwidth.
@@ -243,7 +243,7 @@ def predictions_by_device_buckets(machine: Machine, workload: Workload, bucket_n
     sizes = bucket_sizes(workload.num_params, bucket_numel)
     n = len(sizes)
     # the CPU with fp32: the parameters are views of the masters and the host Adam reads
-    # autograd's gradients in place (engine/buckets.py, host/segmented.py): nothing is copied
+    # autograd's gradients in place (engine/state/buckets.py, host/segmented.py): nothing is copied
     aliased = machine.host_is_device and machine.lowp_bytes == FP32
     host_seconds_per_element = host_bytes_per_element(cast, machine.lowp_bytes, aliased) / (
         MEASURED_PASS_BYTES * machine.host_adam_rate)

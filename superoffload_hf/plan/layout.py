@@ -13,7 +13,7 @@ Rules (the "auto" choices of SuperOffloadConfig):
   (one process) buckets of 32 MB however small the model: host jobs run inline after backward
   there, so more buckets overlap nothing and each costs Python time per step. On an
   accelerator both are chosen after the first step by the cost model (plan/cost_model.py) fed
-  with that step's host-clock measurements (engine/autoplan.py: backward time from the gradient
+  with that step's host-clock measurements (engine/learn.py: backward time from the gradient
   hooks, host Adam rate, link bandwidth, device Adam rate): at most half of the buckets stay on
   the device (offloading stays the point), and only as many of the last buckets as fit, with
   their real sizes, in a quarter of the free device memory (16 bytes per element: fp32 master,
@@ -135,7 +135,7 @@ class Layout:
     def learned(self, config, log, choice, free_device_bytes: int) -> "Layout":
         """The layout with the plan in the order the first step's hooks fired (`log`: what they
         did, engine/measure.py FireLog: its `order` and `deferred()`). `choice`: the cost
-        model's plan (engine/autoplan.py) on an accelerator, None on the CPU; it sets the "auto"
+        model's plan (engine/learn.py) on an accelerator, None on the CPU; it sets the "auto"
         bucket size and device-resident buckets, the latter only as many of the last buckets as
         fit, with their real sizes, in DEVICE_MEMORY_FRACTION of the free device memory."""
         deferred = log.deferred()
@@ -316,7 +316,7 @@ def buffer_policy(config, dtype: torch.dtype, cast: str, machine: MachineFacts, 
                   accumulation_steps: int, shard_world: Optional[int]) -> BufferPolicy:
     """Which buffers the buckets get, in which dtypes, page-locked or not, and how many
     elements of each host bucket (memory.py). `shard_world`: the ranks that share each host
-    bucket under data parallelism (engine/dp.py), None in one process."""
+    bucket under data parallelism (engine/dp/route.py), None in one process."""
     compact = config.state_precision != "fp32"
     return BufferPolicy(device_dtype=dtype, link_dtype=torch.float32 if cast == "device" else dtype,
                         lowp_dtype=lowp_dtype(dtype, cast, compact), pin=machine.pin,

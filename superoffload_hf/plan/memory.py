@@ -1,5 +1,5 @@
 """Where the bytes go: the buffers a plan needs, per kind and place, and the layout of the host
-arenas that hold them (pure: the arenas themselves and the Ledger are engine/arenas.py). The same
+arenas that hold them (pure: the arenas themselves and the Ledger are engine/state/arenas.py). The same
 code sizes the allocations (`HostArena`, `BucketSet`) and the estimate that
 `superoffload train --dry-run` and `optimizer.describe()` print (`footprint`), so the two cannot
 drift apart.
@@ -31,7 +31,7 @@ link, or accumulation over micro-batches; page-locked), the device-resident buck
 master, moments and gradient on the device), the device parameters, and the transient buffers
 of one bucket in flight (a gradient round and a copy-back staging buffer, on the device).
 
-Under data parallelism over N ranks (`BufferPolicy.shard_world`, engine/dp.py) every host
+Under data parallelism over N ranks (`BufferPolicy.shard_world`, engine/dp/route.py) every host
 bucket's buffers hold this rank's shard of it (shard.py: ceil(numel / N) elements), and the
 device side has buffers of its own instead of the gradient ring and the copy-back staging:
 each host bucket's flat gradient (padded to N shards) from its first gradient until its
@@ -61,8 +61,8 @@ HOST_KINDS = STATE_KINDS + ("grad", "lowp")
 FP32 = torch.float32
 # config `device_dtype` -> the device copy's dtype
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-NORM_CHUNK = 1 << 22  # elements: bounds the float64 transient of a device norm to 32 MB (engine/stepper.py)
-ALL_GATHERS_LIVE = 1  # data parallel: all-gather buffer pairs (flat bucket + shard), reused (engine/dp.py)
+NORM_CHUNK = 1 << 22  # elements: bounds the float64 transient of a device norm to 32 MB (engine/state/stepper.py)
+ALL_GATHERS_LIVE = 1  # data parallel: all-gather buffer pairs (flat bucket + shard), reused (engine/dp/route.py)
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -82,7 +82,7 @@ class BufferPolicy:
     micro_batches: int  # backward passes per step (gradient accumulation)
     rounds_pinned: bool = False  # the runtime rounds a page-locked block up to a power of two
     params_alias_masters: bool = False  # the CPU device with fp32: host buckets' parameters ARE the masters
-    shard_world: Optional[int] = None  # data parallel (engine/dp.py): ranks sharing each host bucket; None: one process
+    shard_world: Optional[int] = None  # data parallel (engine/dp/route.py): ranks sharing each host bucket; None: one process
     state_precision: str = "fp32"  # host buckets' state: "fp32", or compact ("compact", "compact32": host/compact.py)
 
     @property
@@ -118,7 +118,7 @@ class BufferPolicy:
         """No gradient buffer at rest: the parameters are the masters and one micro-batch makes a
         step, so the host Adam reads autograd's gradients in place (host/segmented.py), which
         live until step() ends as in torch. A bucket gets its fp32 buffer only for a step in
-        which one of its parameters receives a second gradient (engine/collect.py)."""
+        which one of its parameters receives a second gradient (engine/step/collect.py)."""
         return self.params_alias_masters and not self.accumulates
 
     @property
@@ -207,9 +207,9 @@ class FootprintRow:
 
 
 def spare_landing_numel(plan: BucketPlan, policy: BufferPolicy) -> int:
-    """Elements of the one spare landing buffer (engine/buckets.py) where the policy has no landing
+    """Elements of the one spare landing buffer (engine/state/buckets.py) where the policy has no landing
     arena and a second gradient round would land through the link: the largest host bucket; 0
-    where none is needed (landing arenas, aliased masters, data parallelism: engine/dp.py)."""
+    where none is needed (landing arenas, aliased masters, data parallelism: engine/dp/route.py)."""
     if policy.landing or policy.params_alias_masters or policy.shard_world is not None:
         return 0
     return max((b.numel for b in plan.buckets if not b.device_resident), default=0)
@@ -266,7 +266,7 @@ def footprint(plan: BucketPlan, policy: BufferPolicy, snapshot_buckets: Optional
 
 
 def _data_parallel_rows(host_buckets, shards: Sequence[int], policy: BufferPolicy) -> list[FootprintRow]:
-    """The device buffers of engine/dp.py (allocated at use, outside the Ledger), at their peak.
+    """The device buffers of engine/dp/route.py (allocated at use, outside the Ledger), at their peak.
     `shards`: each host bucket's shard numel; the bucket's flat device gradient is N of them."""
     link, padded = _size(policy.link_dtype), [n * policy.shard_world for n in shards]
     if not policy.accumulates:
@@ -304,7 +304,7 @@ def host_bytes(rows: Sequence[FootprintRow], host_is_device: bool) -> int:
 
 
 def replan_transient(rows: Sequence[FootprintRow]) -> int:
-    """What a re-plan holds on top of the state at rest (engine/buckets.py BucketSet.replan): it
+    """What a re-plan holds on top of the state at rest (engine/state/buckets.py BucketSet.replan): it
     frees the gradient staging and landing arenas first, then allocates each kind's new arena
     before the old one goes: the largest state arena less the scratch arenas freed."""
     host = [r for r in rows if r.place in HOST_PLACES and not r.transient]

@@ -1,7 +1,7 @@
 """What `speculation: auto` trades for compact state's rollback snapshot: a value computed once.
 
 Compact state cannot be rolled back algebraically (quantisation is not invertible), so a bucket
-stepped speculatively first copies its pre-step bytes aside (engine/buffers.py take_snapshot):
+stepped speculatively first copies its pre-step bytes aside (engine/state/buffers.py take_snapshot):
 another 5.125 B/param of plain host memory for every bucket that ever speculates (kept once
 taken), and each speculative step copies those bytes (read + write: 2 x 5.125 B/param) on the
 host while backward runs. Speculation pays where that overlaps the backward: the host work of a
@@ -72,7 +72,7 @@ def snapshot_trade(plan: BucketPlan, policy: BufferPolicy, mode: str, *, memory_
                    other_bytes: int = 0, host_bytes_per_second: Optional[float] = None,
                    backward_seconds: Optional[float] = None, overlaps: bool = True) -> SnapshotTrade:
     """The decision (module docstring). `overlaps`: False on the CPU device, where auto never
-    speculates (engine/validate.py SpeculationPolicy: nothing to overlap), so no snapshot is kept. `memory_left`: host bytes this process may still use
+    speculates (engine/step/validate.py SpeculationPolicy: nothing to overlap), so no snapshot is kept. `memory_left`: host bytes this process may still use
     before the engine allocates (None: unknown, no limit); `other_bytes`: what the engine needs
     of it besides the snapshots (the rest of the footprint and the re-plan's transient);
     `host_bytes_per_second`: the host memory bandwidth the host step reached (measured)."""

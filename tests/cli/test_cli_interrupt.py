@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from superoffload_hf.engine.worker import InlineWorker, Pending
+from superoffload_hf.engine.step.worker import InlineWorker, Pending
 from superoffload_hf.integrations.resume import incomplete_reason, last_complete_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

@@ -265,3 +265,31 @@ def test_a_thread_in_plan_is_reported(tmp_path):
     modules = _write_package(tmp_path, {"__init__.py": "", "plan/__init__.py": "",
                                         "plan/layout.py": "def f():\n    import threading\n"})
     assert impure_imports(modules) == ["superoffload_hf.plan.layout:2 imports threading"]
+
+
+MAX_MODULES_PER_FOLDER = 12
+# integrations/ stays flat (DESIGN.md section 6): grouping it would make imports point up a floor.
+FOLDER_ALLOWANCE = {"integrations": 14}
+
+
+def crowded_folders(package_dir: Path) -> list[str]:
+    """Folders of the package holding more modules (.py files, `__init__` not counted) than allowed."""
+    found = []
+    for folder in sorted({p.parent for p in package_dir.rglob("*.py")}):
+        name = folder.relative_to(package_dir).as_posix()
+        count = sum(1 for p in folder.glob("*.py") if p.name != "__init__.py")
+        if count > FOLDER_ALLOWANCE.get(name, MAX_MODULES_PER_FOLDER):
+            found.append(f"{name or '.'}: {count} modules")
+    return found
+
+
+def test_no_folder_of_the_package_holds_more_than_twelve_modules():
+    assert crowded_folders(PACKAGE_DIR) == []
+
+
+def test_the_folder_rule_sees_a_crowded_folder(tmp_path):
+    for k in range(13):
+        (tmp_path / "engine" / f"m{k}.py").parent.mkdir(exist_ok=True)
+        (tmp_path / "engine" / f"m{k}.py").write_text("")
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    assert crowded_folders(tmp_path) == ["engine: 13 modules"]

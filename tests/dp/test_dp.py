@@ -38,7 +38,7 @@ TWO_RANKS = {
 def _second_backward_without_step(rank, world):
     """One backward too many (gradient_accumulation_steps 1): the buckets have left the rank."""
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine.dp import GradientAfterLaunchError
+    from superoffload_hf.engine.dp.route import GradientAfterLaunchError
     from _dp_train import engine_config, micro_batches, tiny_llama
 
     model = tiny_llama()
@@ -315,7 +315,7 @@ def saved_by_two_ranks(tmp_path_factory):
 def test_each_rank_writes_only_its_shard_and_the_export_has_everything(saved_by_two_ranks, tmp_path):
     import torch
 
-    from superoffload_hf.engine.shard_checkpoint import export_consolidated
+    from superoffload_hf.engine.dp.checkpoint import export_consolidated
 
     assert sorted(p.name for p in saved_by_two_ranks.glob("optimizer*")) == [
         "optimizer.pt", "optimizer.shard-00000-of-00002.pt", "optimizer.shard-00001-of-00002.pt"]
@@ -434,7 +434,7 @@ def test_compact_shard_checkpoints_resume_bit_identically_on_any_world_size(resu
 def test_compact_shard_checkpoints_convert_from_and_to_fp32_state_on_load():
     """What a rank loaded equals the saved state converted by the format's reference (the kernels
     match it bitwise), element by element; one notice per load says it converted."""
-    from superoffload_hf.engine.precision import convert
+    from superoffload_hf.engine.state.precision import convert
     from superoffload_hf.host import compact as reference
 
     _, two = compact_results()

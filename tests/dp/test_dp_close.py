@@ -1,5 +1,5 @@
 """A data-parallel optimizer frees everything at close() and when dropped, without the cyclic
-garbage collector (engine/dp.py's DataParallel holds the parts it uses, never the engine), on two
+garbage collector (engine/dp/route.py's DataParallel holds the parts it uses, never the engine), on two
 gloo ranks whose simulated devices are the ranks' own: rank 1 trains on device 1, so every thread
 the engine starts (the host worker, whose copy-backs are the all-gathers) must set its device."""
 

@@ -1,7 +1,7 @@
 """The memory estimate under data parallelism (`superoffload train --dry-run --num_processes N`:
 plan.layout.estimate with a shard world of N) against what 2 gloo ranks allocate, per kind:
 the host arenas from the engine's Ledger (the same arithmetic: equal to the byte), the device
-buffers of engine/dp.py (outside the Ledger: every allocation they make is tracked while the
+buffers of engine/dp/route.py (outside the Ledger: every allocation they make is tracked while the
 ranks train) within 5% of their measured peak. (The copy-backs reuse one pair of all-gather
 buffers: fresh ones per bucket stayed alive until gloo's thread dropped the finished collective,
 so the peak depended on timing, 1 to 3 buckets under load.)
@@ -34,7 +34,7 @@ SCENARIOS = {
 
 class DeviceTracker:
     """Live and peak bytes of the device tensors `runtime.device_empty` hands out, per phase of
-    engine/dp.py that asked for them (the innermost wrapped method on this thread)."""
+    engine/dp/route.py that asked for them (the innermost wrapped method on this thread)."""
 
     def __init__(self):
         self.live: dict[str, int] = defaultdict(int)

@@ -135,7 +135,7 @@ def test_a_step_skipped_for_an_inf_on_one_rank_leaves_the_next_steps_as_adamw_ta
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_bucket_is_sent_bitwise_as_it_is_when_finite_and_as_its_worst_element_everywhere_when_not(dtype):
-    from superoffload_hf.engine.dp import spread_nonfinite
+    from superoffload_hf.engine.dp.route import spread_nonfinite
 
     bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
     flat = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(dtype)

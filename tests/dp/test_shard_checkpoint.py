@@ -8,7 +8,7 @@ import torch
 from superoffload_hf.engine.checkpoint import CorruptStateError
 from superoffload_hf.plan.buckets import BucketPlan
 from superoffload_hf.plan.shard import ShardPlan
-from superoffload_hf.engine.shard_checkpoint import (
+from superoffload_hf.engine.dp.checkpoint import (
     KEYS,
     RangeSource,
     consolidate,

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from superoffload_hf import SuperOffloadAdamW
-from superoffload_hf.engine import stepper
+from superoffload_hf.engine.state import stepper
 from superoffload_hf.engine.build import auto_host_threads
-from superoffload_hf.engine.validate import Decision, SpeculationPolicy
+from superoffload_hf.engine.step.validate import Decision, SpeculationPolicy
 
 from _models import engine_config, micro_batches, tiny_batch, tiny_llama
 from superoffload_hf.testing.engine_parts import parts

@@ -16,7 +16,7 @@ import torch
 
 from superoffload_hf import SuperOffloadAdamW, SuperOffloadConfig
 from superoffload_hf.device.transfer import GRAD_RING_SLOTS
-from superoffload_hf.engine.hooks import HeldGrad
+from superoffload_hf.engine.step.hooks import HeldGrad
 
 from _models import read_params
 from superoffload_hf.testing.engine_parts import parts, return_early

@@ -161,7 +161,7 @@ def test_after_the_first_step_the_predicted_step_time_is_reported_beside_the_mea
 
 
 def test_the_workload_is_read_from_the_first_steps_gradient_hooks():
-    from superoffload_hf.engine.autoplan import measured_workload
+    from superoffload_hf.engine.learn import measured_workload
     from superoffload_hf.engine.measure import FireLog
 
     log = FireLog(3)

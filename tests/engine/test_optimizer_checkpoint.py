@@ -440,7 +440,7 @@ def test_a_checkpoint_file_stores_the_compact_bytes(tmp_path, precision, low, hi
 def test_a_replan_moves_compact_bytes_as_they_are_and_converts_across_residency():
     """Re-planned with more device-resident buckets, a parameter that moves to the device gets the
     decoded (fp32) state of its compact bytes; one that stays on the host keeps its bytes; moved
-    back, it is encoded again (engine/precision.py)."""
+    back, it is encoded again (engine/state/precision.py)."""
     from superoffload_hf.host import compact
 
     keys = ("master_bf16", "master_err", "exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")

@@ -362,7 +362,7 @@ def test_compact_state_on_the_cpu_device_grows_resident_memory_by_the_ledger():
 def test_compact_install_encodes_chunk_by_chunk_the_bytes_of_one_call(monkeypatch, chunk):
     """The install encodes ENCODE_CHUNK elements per call (parameters straddling chunks, fp32
     weights whose error terms are not zero): the same bytes as one call over the whole bucket."""
-    from superoffload_hf.engine import buckets as buckets_module
+    from superoffload_hf.engine.state import buckets as buckets_module
     from superoffload_hf.plan.memory import COMPACT_KINDS
     from superoffload_hf.host.compact import compact_encode_, empty_state
 

@@ -1,4 +1,4 @@
-"""How the engine page-locks its host arenas (engine/pin_method.py, config `pin_method`): the
+"""How the engine page-locks its host arenas (engine/state/pin_method.py, config `pin_method`): the
 method chosen once, in force only while the arenas are allocated, torch's default after."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
-from superoffload_hf.engine.pin_method import AUTO_MIN_PINNED_BYTES, choose_pin_method
+from superoffload_hf.engine.state.pin_method import AUTO_MIN_PINNED_BYTES, choose_pin_method
 from superoffload_hf.testing.sim import SimRuntime
 
 from _models import engine_config, tiny_llama, tiny_batch
@@ -198,7 +198,7 @@ def test_switching_the_pinning_method_repeats_the_users_allocator_settings_and_l
     """torch resets the allocator settings a parse does not name (issue 29 item 12): every string
     the engine hands the parser keeps what the user set, with the register threads rounded down to
     the power of two torch takes, and a pinning method the user chose is never changed."""
-    from superoffload_hf.engine.pin_method import PinMethod
+    from superoffload_hf.engine.state.pin_method import PinMethod
 
     runtime, torch_settings = _cuda_runtime_with(monkeypatch, "expandable_segments:True,max_split_size_mb:128")
     with PinMethod(True, 6, "test").applied(runtime):

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from superoffload_hf.engine.worker import HostWorker, Pending
+from superoffload_hf.engine.step.worker import HostWorker, Pending
 
 
 @pytest.fixture

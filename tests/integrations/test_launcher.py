@@ -18,7 +18,7 @@ import yaml
 from accelerate.commands.config import load_config_from_file
 
 from superoffload_hf import device
-from superoffload_hf.engine.shard_checkpoint import shard_files
+from superoffload_hf.engine.dp.checkpoint import shard_files
 from superoffload_hf.integrations import autopatch, launch_env, launcher
 from superoffload_hf.integrations.accelerate import SuperOffloadAcceleratedOptimizer
 from superoffload_hf.integrations.callback import LOG_PREFIX

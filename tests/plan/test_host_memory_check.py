@@ -15,11 +15,11 @@ from torch import nn
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import SIM_ENV_VAR
 from superoffload_hf.device.transfer import Transfer
-from superoffload_hf.engine.buffers import BucketBuffers
+from superoffload_hf.engine.state.buffers import BucketBuffers
 from superoffload_hf.config import ConfigError, SuperOffloadConfig
 from superoffload_hf.engine import host_limit
 from superoffload_hf.engine.host_limit import HostMemoryError, cgroup_left, host_memory_left
-from superoffload_hf.engine.arenas import Ledger
+from superoffload_hf.engine.state.arenas import Ledger
 from superoffload_hf.plan.memory import BufferPolicy, replan_transient
 from superoffload_hf.testing.host_memory import SimHostMemory, SimHostMemoryError, pinned_block_bytes
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime
@@ -296,7 +296,7 @@ def test_the_link_probes_return_their_page_locked_blocks(sim):
     try:
         assert sim.host_memory.cached_bytes() == 0
         assert sim.host_memory.pinned_reserved == pinned_rows(opt)
-        train(model, opt, 2)  # the re-plan after step 1 measures the link (engine/autoplan.py)
+        train(model, opt, 2)  # the re-plan after step 1 measures the link (engine/learn.py)
         assert parts(opt).learned is not None
         assert sim.host_memory.pinned_high_water >= pinned_block_bytes(4 * 2**20)  # it did
         assert sim.host_memory.cached_bytes() == 0

@@ -201,7 +201,7 @@ def test_aligned_packing_counts_the_padding_towards_the_bucket_size():
 
 
 def test_runs_never_span_the_padding_between_slots():
-    from superoffload_hf.engine.stepper import plan_runs
+    from superoffload_hf.engine.state.stepper import plan_runs
 
     plan = build(shapes=[(32,), (3,), (32,)], groups=[[0, 1, 2]], bucket_numel=1000, align=32)
     (bucket,) = plan.buckets  # slots: 2 at 0, 1 at 32 (3 elements), 0 at 64

@@ -76,7 +76,7 @@ def test_the_engine_speculates_only_the_buckets_whose_snapshot_fits(monkeypatch)
     for one bucket's snapshot: that bucket speculates, the other never does, and the Ledger holds
     one snapshot, as the footprint says."""
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine import snapshot_trade as trade_module
+    from superoffload_hf.engine import host_limit as trade_module
 
     monkeypatch.setenv("SUPEROFFLOAD_SIM_DEVICE", "1")
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])

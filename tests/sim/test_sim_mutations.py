@@ -21,7 +21,7 @@ import torch
 from superoffload_hf import SuperOffloadAdamW
 from superoffload_hf.device import SIM_ENV_VAR
 from superoffload_hf.device.transfer import GRAD_RING_SLOTS, SYNCS
-from superoffload_hf.engine.worker import HostWorker
+from superoffload_hf.engine.step.worker import HostWorker
 from superoffload_hf.testing.sim import SimRaceError, SimRuntime, on_device
 
 from _models import RelativeMaxNorm, engine_config, micro_batches, read_params, tiny_llama

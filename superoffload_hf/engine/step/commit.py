@@ -8,11 +8,11 @@ import functools
 
 import torch
 
-from superoffload_hf.engine import stepper
-from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
-from superoffload_hf.engine.stepper import StepCall
-from superoffload_hf.engine.validate import Decision
+from superoffload_hf.engine.state import stepper
+from superoffload_hf.engine.state.buffers import BucketBuffers
+from superoffload_hf.engine.state.lifecycle import BucketRuntime, BucketState
+from superoffload_hf.engine.state.stepper import StepCall
+from superoffload_hf.engine.step.validate import Decision
 from superoffload_hf.host import reference
 
 

@@ -73,13 +73,13 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
+from superoffload_hf.engine.state.buffers import BucketBuffers
+from superoffload_hf.engine.state.lifecycle import BucketRuntime, BucketState
 from superoffload_hf.plan.shard import shard_of
 from superoffload_hf.engine.checkpoint import _check_layout, _groups_with_indices
 from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS
-from superoffload_hf.engine.saved import MASTER_KINDS
-from superoffload_hf.engine.shard_checkpoint import FP32_KINDS, RangeSource, shard_state_dict, write_shards
+from superoffload_hf.engine.state.saved import MASTER_KINDS
+from superoffload_hf.engine.dp.checkpoint import FP32_KINDS, RangeSource, shard_state_dict, write_shards
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
 
 logger = logging.getLogger("superoffload_hf")
@@ -137,7 +137,7 @@ class DataParallel:
         self.transfer, self.runtime = transfer, runtime
         self.worker, self.jobs, self.waiter, self.step_state, self.counters = worker, jobs, waiter, step_state, counters
         self.speculation, self.policy, self.link_dtype = speculation, policy, link_dtype
-        self.gather = gather  # engine/gather.py: the copy-backs' and weight-flow's all-gathers
+        self.gather = gather  # engine/dp/gather.py: the copy-backs' and weight-flow's all-gathers
         t = collectives.topology
         self.rank, self.world = t.shard_rank, t.shard_world
         self.shard = sharding(collectives, buckets.plan.align)
@@ -165,7 +165,7 @@ class DataParallel:
         through the collectives)."""
         self.coll.queued_gathers.arm(weakref.WeakMethod(self.wait_for_queued_gathers))
 
-    # what step() and the optimizer ask of a route (engine/route.py has the local one)
+    # what step() and the optimizer ask of a route (engine/step/route.py has the local one)
     alone = False  # other ranks may have gradients where this one has none: finish() tells
     learns_plans = False  # every rank keeps the initial plan (no re-planning of sharded state)
 
@@ -406,7 +406,7 @@ class DataParallel:
         return total
 
     def commit_speculative(self, rt: BucketRuntime, call) -> None:
-        """The committed shard's all-gather (the speculative step sent nothing: engine/gather.py)."""
+        """The committed shard's all-gather (the speculative step sent nothing: engine/dp/gather.py)."""
         self.worker.submit(functools.partial(self.jobs.copy_back, rt, call), rt.pending)
 
     def _host_collective_ready(self) -> None:

@@ -23,7 +23,7 @@ from typing import Iterable
 
 import torch
 
-from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
+from superoffload_hf.engine.state.lifecycle import BucketRuntime, BucketState
 from superoffload_hf.engine.reads import ModuleReads
 
 WRITE_IN_FLIGHT = (

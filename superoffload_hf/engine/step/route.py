@@ -1,5 +1,5 @@
 """The local route: a host bucket's gradients from the hooks to the host, in one process (the
-sharded route is engine/dp.py, with the same interface: collect, finish, discard, the global sum
+sharded route is engine/dp/route.py, with the same interface: collect, finish, discard, the global sum
 of squares, refreshing the device parameters, checkpoints' pieces). engine/build.py picks one.
 
 A host bucket collects in *rounds*: each gradient is copied into a flat device buffer
@@ -25,10 +25,10 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from superoffload_hf.engine import checkpoint
-from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
-from superoffload_hf.engine.shard_checkpoint import write_whole
-from superoffload_hf.engine.stepper import StepCall
+from superoffload_hf.engine.state.buffers import BucketBuffers
+from superoffload_hf.engine.state.lifecycle import BucketRuntime, BucketState
+from superoffload_hf.engine.dp.checkpoint import write_whole
+from superoffload_hf.engine.state.stepper import StepCall
 
 
 class LocalRoute:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from superoffload_hf.engine.lifecycle import BucketRuntime
-from superoffload_hf.engine.stepper import Hyper, StepCall
-from superoffload_hf.engine.validate import SpeculationBudget
+from superoffload_hf.engine.state.lifecycle import BucketRuntime
+from superoffload_hf.engine.state.stepper import Hyper, StepCall
+from superoffload_hf.engine.step.validate import SpeculationBudget
 
 
 def invertible(h: Hyper, adamw: bool) -> bool:

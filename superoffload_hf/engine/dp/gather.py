@@ -11,9 +11,9 @@ from typing import Callable, Optional
 
 import torch
 
-from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.lifecycle import BucketRuntime
-from superoffload_hf.engine.stepper import StepCall
+from superoffload_hf.engine.state.buffers import BucketBuffers
+from superoffload_hf.engine.state.lifecycle import BucketRuntime
+from superoffload_hf.engine.state.stepper import StepCall
 from superoffload_hf.perf.timeline import H2D, Timeline
 
 
@@ -26,7 +26,7 @@ class ShardGather:
         self.flows = flows  # weight-flow (engine/flow.py): its parameters are gathered at each fetch
         self._gather_pairs: dict[torch.dtype, tuple] = {}  # worker thread only (_gather_buffers)
 
-    # ---- the host jobs' copy-back (engine/jobs.py; worker thread) ---------------------------------
+    # ---- the host jobs' copy-back (engine/step/jobs.py; worker thread) ---------------------------------
     # Issued only after validation (a speculative step or a mere rollback leaves the device weights
     # as they were), so every rank issues the same all-gathers in the same order.
 

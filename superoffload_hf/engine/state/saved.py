@@ -1,5 +1,5 @@
 """The on-disk state format both checkpoint paths share (engine/checkpoint.py, one process;
-engine/shard_checkpoint.py, every rank's shard): the format version, an entry's keys, and the
+engine/dp/checkpoint.py, every rank's shard): the format version, an entry's keys, and the
 CRC-32 of a tensor's values. The bottom of the checkpoint modules: it imports neither."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The flat buffers of one bucket: master weights, Adam moments, gradient staging.
 
-A host bucket's buffers are views into the plan's host arenas (engine/arenas.py: one allocation per
+A host bucket's buffers are views into the plan's host arenas (engine/state/arenas.py: one allocation per
 kind, page-locked only where the data crosses the link); a device-resident bucket's are its own
 device tensors. BucketSet sets them. The layout is the plan's: parameter `slot` occupies
 `[slot.offset, slot.offset + slot.numel)` of every buffer.
@@ -76,7 +76,7 @@ class BucketBuffers:
         return self.master_bf16 if self.compact else self.master
 
     def recv_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        """The landing buffer (a view of the host arena of its kind, see engine/arenas.py)."""
+        """The landing buffer (a view of the host arena of its kind, see engine/state/arenas.py)."""
         if self.recv is None or self.recv.dtype != dtype:
             self.recv = self._alloc("grad landing", dtype, True)  # a copy target: page-locked
         return self.recv

@@ -22,9 +22,9 @@ from typing import Callable, Optional
 
 import torch
 
-from superoffload_hf.engine import stepper
-from superoffload_hf.engine.lifecycle import BucketRuntime, BucketState
-from superoffload_hf.engine.stepper import StepCall
+from superoffload_hf.engine.state import stepper
+from superoffload_hf.engine.state.lifecycle import BucketRuntime, BucketState
+from superoffload_hf.engine.state.stepper import StepCall
 from superoffload_hf.perf.timeline import D2H, H2D, HOST_ADAM, Timeline
 
 
@@ -39,7 +39,7 @@ class HostJobs:
         self.counters = counters
         self.timeline = timeline if timeline is not None else Timeline.disabled()
         # The copy-back: DeviceCopyBack (one process: after every step and rollback), or under data
-        # parallelism the shard's all-gather (engine/gather.py), issued only after validation.
+        # parallelism the shard's all-gather (engine/dp/gather.py), issued only after validation.
         self.copies = copies
 
     def _host(self, rt: BucketRuntime, what: str, start: float, **args) -> float:

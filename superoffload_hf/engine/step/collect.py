@@ -4,8 +4,8 @@ speculating, stepping) a bucket as soon as its last micro-batch's gradients are 
 Runs on autograd's thread (the hooks) and on the training thread (step(), zero_grad()); never
 both at once, since backward() blocks its caller.
 
-A host bucket's gradient goes on through the route (engine/route.py in one process, the
-sharded engine/dp.py under data parallelism); a device-resident bucket's is accumulated here.
+A host bucket's gradient goes on through the route (engine/step/route.py in one process, the
+sharded engine/dp/route.py under data parallelism); a device-resident bucket's is accumulated here.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.hooks import HeldGrad, register_param_hooks
-from superoffload_hf.engine.lifecycle import BucketRuntime
+from superoffload_hf.engine.state.buffers import BucketBuffers
+from superoffload_hf.engine.step.hooks import HeldGrad, register_param_hooks
+from superoffload_hf.engine.state.lifecycle import BucketRuntime
 
 FP32 = torch.float32
 

@@ -30,10 +30,10 @@ from typing import Optional
 
 import torch
 
-from superoffload_hf.engine.buffers import BucketBuffers
+from superoffload_hf.engine.state.buffers import BucketBuffers
 from superoffload_hf.plan.buckets import Bucket
-from superoffload_hf.engine.stepper import StepCall
-from superoffload_hf.engine.worker import Pending
+from superoffload_hf.engine.state.stepper import StepCall
+from superoffload_hf.engine.step.worker import Pending
 from superoffload_hf.host.segmented import SegmentedGrad
 
 

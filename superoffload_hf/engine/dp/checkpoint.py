@@ -20,7 +20,7 @@ single-process state dict is a `RangeSource` too (1 -> N).
 Step counts: every rank steps every parameter the same number of times, so each piece carries
 its parameter's count; a parameter without state (never stepped) has no piece.
 
-Compact state (engine/precision.py): a piece of a compact host bucket's parameter holds its
+Compact state (engine/state/precision.py): a piece of a compact host bucket's parameter holds its
 bytes instead, the six compact kinds (`master_bf16` ... `exp_avg_sq_scale`, the scales one per
 group of 32 of the piece's elements). Compact shards start at group boundaries (shard.py
 `align`), so every piece starts at a multiple of 32 of its parameter's elements and every piece
@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from superoffload_hf.engine.saved import tensor_crc32
+from superoffload_hf.engine.state.saved import tensor_crc32
 from superoffload_hf.errors import CorruptStateError
 from superoffload_hf.plan.memory import COMPACT_KINDS, SCALE_KINDS
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel
@@ -142,7 +142,7 @@ class RangeSource:
 
     def precision(self, index: int) -> str:
         """"fp32", "compact" or "compact32": the precision parameter `index` was saved in."""
-        from superoffload_hf.engine.precision import precision_of
+        from superoffload_hf.engine.state.precision import precision_of
 
         return precision_of(self.pieces[index][0])
 
@@ -178,8 +178,8 @@ class RangeSource:
         """Elements [start, end) of parameter `index` as `precision` state, in buffer kinds
         (memory.py: fp32 `master` (when saved) / `exp_avg` / `exp_avg_sq`, or the compact six),
         and whether it was converted from the other precision (`codec`: a host Adam back end,
-        engine/precision.py). A compact target range starts at a group boundary (shard.py)."""
-        from superoffload_hf.engine.precision import convert
+        engine/state/precision.py). A compact target range starts at a group boundary (shard.py)."""
+        from superoffload_hf.engine.state.precision import convert
 
         saved = self.precision(index)
         if saved == precision:

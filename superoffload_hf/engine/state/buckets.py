@@ -2,7 +2,7 @@
 where, and each parameter's Adam step count. Also the per-parameter state interface that
 checkpoints go through (`export_param`, `import_param`).
 
-Host buffers are one arena per kind (plan/memory.py, engine/arenas.py), device-resident buckets' buffers are device
+Host buffers are one arena per kind (plan/memory.py, engine/state/arenas.py), device-resident buckets' buffers are device
 tensors of their own; every allocation goes through the Ledger, whose figures `footprint`
 predicts. Re-planning first frees the gradient staging and landing arenas (they hold nothing
 between steps), then moves one kind at a time (allocate the new plan's buffers of that kind,
@@ -13,7 +13,7 @@ Compact host state (plan/memory.py, host/compact.py): host buckets hold six comp
 the fp32 master and moments, encoded from the parameters at install by the host Adam back end
 (`codec`); every new compact arena is zeroed first (the padding between slots stays zero). A
 re-plan moves a parameter's bytes unchanged, except where it moves between a compact host bucket
-and an fp32 device-resident one: then its state is converted (engine/precision.py).
+and an fp32 device-resident one: then its state is converted (engine/state/precision.py).
 
 When the device is this host's memory (the CPU runtime) and the device dtype is fp32, a host
 bucket's parameters are views into its fp32 master buffer (`alias_params`): a host step updates
@@ -29,12 +29,12 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from superoffload_hf.engine import precision
-from superoffload_hf.engine.buffers import BucketBuffers
-from superoffload_hf.engine.lifecycle import BucketRuntime
-from superoffload_hf.engine.arenas import HostArena, Ledger
+from superoffload_hf.engine.state import precision
+from superoffload_hf.engine.state.buffers import BucketBuffers
+from superoffload_hf.engine.state.lifecycle import BucketRuntime
+from superoffload_hf.engine.state.arenas import HostArena, Ledger
 from superoffload_hf.plan.memory import COMPACT_KINDS, STATE_KINDS, BufferPolicy, footprint, spare_landing_numel
-from superoffload_hf.engine.pin_method import PinMethod, choose_pin_method
+from superoffload_hf.engine.state.pin_method import PinMethod, choose_pin_method
 from superoffload_hf.plan.buckets import BucketPlan, ParamSlot
 
 logger = logging.getLogger("superoffload_hf")
@@ -49,11 +49,11 @@ class BucketSet:
                  pin_mode: str = "alloc", pin_threads: int = 1):
         self.params = params
         self._pin_mode, self._pin_threads = pin_mode, pin_threads
-        self.pin_method: Optional[PinMethod] = None  # chosen at the first install (engine/pin_method.py)
+        self.pin_method: Optional[PinMethod] = None  # chosen at the first install (engine/state/pin_method.py)
         self.codec = codec  # the host Adam back end: compact_encode_ / compact_decode (compact state)
         self.index_of = {p: i for i, p in enumerate(params)}
         self.policy, self.runtime = policy, runtime
-        self.shard_of = shard_of  # data parallel (engine/dp.py): bucket -> this rank's Shard
+        self.shard_of = shard_of  # data parallel (engine/dp/route.py): bucket -> this rank's Shard
         if (shard_of is None) != (policy.shard_world is None):
             raise ValueError(f"`shard_of` is {shard_of!r} but `policy.shard_world` is {policy.shard_world!r}: "
                              "both are set under data parallelism, neither in one process.")
@@ -343,7 +343,7 @@ class BucketSet:
 
     def import_param(self, index: int, values: dict[str, torch.Tensor]) -> bool:
         """Copy a parameter's state in, converting it when it is another precision than its
-        bucket's (engine/precision.py); returns whether it converted."""
+        bucket's (engine/state/precision.py); returns whether it converted."""
         rt, slot = self.slot_of(index)
         target = self.precision_of(index)
         converted = precision.precision_of(values) != target

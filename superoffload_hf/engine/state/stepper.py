@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from superoffload_hf.engine.buffers import BucketBuffers
+from superoffload_hf.engine.state.buffers import BucketBuffers
 from superoffload_hf.plan.buckets import Bucket
 from superoffload_hf.plan.memory import NORM_CHUNK
 from superoffload_hf.host.compact import COMPACT_GROUP, scale_numel

@@ -1,6 +1,6 @@
 """Weight-flow under data parallelism: the host copy that flows is the ranks' shards, so a unit's
 whole weights are all-gathered (a collective: every rank fetches the same units in the same
-order, engine/gather.py `gather_for_flow`), for each fetch, for model.state_dict() and at close();
+order, engine/dp/gather.py `gather_for_flow`), for each fetch, for model.state_dict() and at close();
 decisions that change what the ranks do (whether the weights fit back at close()) are agreed on.
 engine/build.py picks this class where it picks the sharded route."""
 
