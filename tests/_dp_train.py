@@ -387,9 +387,9 @@ def default_group_collective_each_step(rank: int, world: int, steps: int = 2, la
     import torch.distributed as dist
 
     from superoffload_hf import SuperOffloadAdamW
-    from superoffload_hf.engine.dp import route as dp_module
+    from superoffload_hf.engine.dp.gather import ShardGather
 
-    gather_back = dp_module.DataParallel.gather_back
+    gather_back = ShardGather.gather_back
     late = {"next": False}  # the first copy-back of each step only (the step's first all-gather)
 
     def late_gather_back(self, rt):
@@ -400,7 +400,7 @@ def default_group_collective_each_step(rank: int, world: int, steps: int = 2, la
 
     model = tiny_llama(seed=0)
     if rank == late_gather_rank:
-        dp_module.DataParallel.gather_back = late_gather_back
+        ShardGather.gather_back = late_gather_back
     try:
         opt = SuperOffloadAdamW(model.parameters(), lr=LR, config=engine_config(speculation="on"))
         for step in range(steps):
@@ -417,7 +417,7 @@ def default_group_collective_each_step(rank: int, world: int, steps: int = 2, la
         digest = params_digest(model)
         opt.close()
     finally:
-        dp_module.DataParallel.gather_back = gather_back
+        ShardGather.gather_back = gather_back
     return digest
 
 
